@@ -1,0 +1,64 @@
+"""What a request asks of generation. Validated once, when the request is made."""
+
+from dataclasses import dataclass
+
+GREEDY_EPSILON = 1e-5  # temperatures below this sample greedily
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: no top-k
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None  # top-n logprobs for each generated token
+    cache_salt: str | None = None
+
+    def __post_init__(self) -> None:
+        # callers pass lists or a single string; inside, stops are tuples
+        self.stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        self.stop_token_ids = tuple(self.stop_token_ids)
+        for problem in self._problems():
+            raise ValueError(problem)
+
+    def _problems(self) -> list[str]:
+        checks = [
+            (self.n >= 1, f"n must be at least 1, got {self.n}"),
+            (self.max_tokens >= 1, f"max_tokens must be at least 1, got {self.max_tokens}"),
+            (self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}"),
+            (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
+            (self.top_k >= -1, f"top_k must be -1, 0 (off) or positive, got {self.top_k}"),
+            (0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}"),
+            (
+                self.repetition_penalty > 0,
+                f"repetition_penalty must be > 0, got {self.repetition_penalty}",
+            ),
+            (
+                -2 <= self.presence_penalty <= 2,
+                f"presence_penalty must be in [-2, 2], got {self.presence_penalty}",
+            ),
+            (
+                -2 <= self.frequency_penalty <= 2,
+                f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}",
+            ),
+            (
+                self.logprobs is None or 0 <= self.logprobs <= 20,
+                f"logprobs must be in [0, 20], got {self.logprobs}",
+            ),
+            (all(self.stop), "stop strings must not be empty"),
+            (all(t >= 0 for t in self.stop_token_ids), "stop_token_ids must be >= 0"),
+        ]
+        return [message for ok, message in checks if not ok]
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < GREEDY_EPSILON

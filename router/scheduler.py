@@ -1,0 +1,212 @@
+"""Continuous batching by token counts.
+
+Each step fills a token budget: running sequences first (oldest first), then waiting ones
+(first come, first served). A sequence gets as many of its missing tokens as the budget allows,
+so a long prompt is prefilled in chunks mixed with the decodes of other sequences. When the KV
+pool is short, the newest running sequence is preempted by recompute: its blocks are freed and
+it waits at the head of the queue to be prefilled again (its generated tokens kept).
+"""
+
+from collections import deque
+from collections.abc import Mapping
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+
+from kvstore.kv_cache_manager import KVCacheManager
+from router.sequence import FinishReason, Sequence, SequenceStatus
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_model_len: int
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 64
+    max_prefill_chunk: int = 0  # at most this many tokens of one sequence per step; 0 = budget
+    num_lookahead_tokens: int = 0  # extra slots for speculative tokens after a decode
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_batched_tokens must be at least 1")
+        if self.max_num_seqs < 1:
+            raise ValueError("max_num_seqs must be at least 1")
+
+
+@dataclass
+class ScheduledSequence:
+    seq: Sequence
+    num_new_tokens: int
+    new_block_ids: list[int]
+    is_new: bool  # the workers hear of it now: first admission, or again after a preemption
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSequence] = field(default_factory=list)
+    preempted_ids: list[str] = field(default_factory=list)
+    # sequences the workers knew that are gone (finished, aborted, preempted): drop their state
+    released_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(item.num_new_tokens for item in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+        self._known_to_workers: set[str] = set()
+        self._released: list[str] = []
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        output = SchedulerOutput()
+        budget = self._schedule_running(output, self.config.max_num_batched_tokens)
+        if not output.preempted_ids:  # memory is short: admit nobody new this step
+            self._schedule_waiting(output, budget)
+        output.released_ids, self._released = self._released, []
+        return output
+
+    def _schedule_running(self, output: SchedulerOutput, budget: int) -> int:
+        index = 0
+        while index < len(self.running) and budget > 0:
+            seq = self.running[index]
+            num_new = self._num_new_tokens(seq, seq.num_computed_tokens, budget)
+            lookahead = self._lookahead(seq, seq.num_computed_tokens, num_new)
+            while True:
+                blocks = self.kv.allocate_slots(
+                    seq.request_id, seq.num_computed_tokens, num_new,
+                    num_lookahead_tokens=lookahead,
+                )
+                if blocks is not None:
+                    break
+                victim = self.running.pop()  # the newest
+                self._preempt(victim)
+                output.preempted_ids.append(victim.request_id)
+                if victim is seq:
+                    return budget
+            output.scheduled.append(
+                ScheduledSequence(seq, num_new, [b.block_id for b in blocks], is_new=False)
+            )
+            budget -= num_new
+            index += 1
+        return budget
+
+    def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            hits, num_cached = self.kv.get_computed_blocks(
+                seq.request_id, seq.token_ids, seq.params.cache_salt
+            )
+            num_new = self._num_new_tokens(seq, num_cached, budget)
+            lookahead = self._lookahead(seq, num_cached, num_new)
+            blocks = self.kv.allocate_slots(
+                seq.request_id, num_cached, num_new, hits, num_lookahead_tokens=lookahead
+            )
+            if blocks is None:
+                break
+            self.kv.stats.record(seq.num_tokens, num_cached)
+            self.waiting.popleft()
+            seq.num_computed_tokens = num_cached
+            if seq.num_cached_tokens < 0:
+                seq.num_cached_tokens = num_cached
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            self._known_to_workers.add(seq.request_id)
+            block_ids = self.kv.block_ids(seq.request_id)
+            output.scheduled.append(ScheduledSequence(seq, num_new, block_ids, is_new=True))
+            budget -= num_new
+
+    def _num_new_tokens(self, seq: Sequence, num_computed: int, budget: int) -> int:
+        num_new = min(seq.num_tokens - num_computed, budget)
+        if self.config.max_prefill_chunk:
+            num_new = min(num_new, self.config.max_prefill_chunk)
+        return num_new
+
+    def _lookahead(self, seq: Sequence, num_computed: int, num_new: int) -> int:
+        reaches_end = num_computed + num_new == seq.num_tokens
+        return self.config.num_lookahead_tokens if reaches_end else 0
+
+    def update(self, output: SchedulerOutput, sampled: Mapping[str, Seq[int]]) -> list[Sequence]:
+        """Commit a step: advance counters, append sampled tokens, cache full blocks.
+
+        Returns the sequences that finished in this step (their blocks are already freed).
+        """
+        finished = []
+        for item in output.scheduled:
+            seq = item.seq
+            if seq.is_finished or seq.status is SequenceStatus.WAITING:
+                continue  # aborted or preempted since it was scheduled
+            seq.num_computed_tokens += item.num_new_tokens
+            for token_id in sampled.get(seq.request_id, ()):
+                seq.append_token(token_id)
+                if self._check_stop(seq, token_id):
+                    break
+            self.kv.cache_blocks(seq.request_id, seq.token_ids, seq.num_computed_tokens)
+            if seq.is_finished:
+                self._release(seq)
+                finished.append(seq)
+        return finished
+
+    def _check_stop(self, seq: Sequence, token_id: int) -> bool:
+        params = seq.params
+        if not params.ignore_eos and token_id in seq.eos_token_ids:
+            seq.finish(FinishReason.STOP)
+        elif token_id in params.stop_token_ids:
+            seq.finish(FinishReason.STOP, stop_reason=token_id)
+        elif (
+            seq.num_output_tokens >= params.max_tokens
+            or seq.num_tokens >= self.config.max_model_len
+        ):
+            seq.finish(FinishReason.LENGTH)
+        return seq.is_finished
+
+    def finish(self, request_id: str, reason: FinishReason, stop_reason: str | None = None) -> (
+        Sequence | None
+    ):
+        """End a request from outside (abort, a stop string); frees its blocks at once."""
+        seq = self._remove(request_id)
+        if seq is not None:
+            seq.finish(reason, stop_reason)
+            self._release(seq)
+        return seq
+
+    def _remove(self, request_id: str) -> Sequence | None:
+        for queue in (self.running, self.waiting):
+            for seq in queue:
+                if seq.request_id == request_id:
+                    queue.remove(seq)
+                    return seq
+        return None
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.kv.free(seq.request_id)
+        self._forget(seq.request_id)
+        seq.status = SequenceStatus.WAITING
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def _release(self, seq: Sequence) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+        self.kv.free(seq.request_id)
+        self._forget(seq.request_id)
+
+    def _forget(self, request_id: str) -> None:
+        if request_id in self._known_to_workers:
+            self._known_to_workers.discard(request_id)
+            self._released.append(request_id)

@@ -1,0 +1,37 @@
+"""What an attention backend needs to know about one flat batch of tokens.
+
+A step runs the tokens of many sequences as one flat batch of T tokens. Sequence i owns the
+query rows ``query_start_loc[i] : query_start_loc[i + 1]``; those are its *new* tokens, the last
+``q_len_i`` of its ``seq_lens[i]`` tokens of context. Its earlier tokens are already in the paged
+KV cache, in the blocks listed by ``block_tables[i]``::
+
+    context of sequence i:  [ cached (seq_len - q_len) | new (q_len) ]
+    position of new token j:  seq_len - q_len + j      (attends to keys at positions <= it)
+
+Slot s of the cache is row ``s % block_size`` of block ``s // block_size``.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # (T,) int64: cache slot each new token's K/V is written to
+    query_start_loc: torch.Tensor  # (B + 1,) int32: cumulative query lengths
+    seq_lens: torch.Tensor  # (B,) int32: context length after this step, cached + new
+    block_tables: torch.Tensor  # (B, max_blocks) int32, padded with 0
+    max_query_len: int
+    max_seq_len: int
+    # host copies, so the reference backend never syncs with the device to read lengths
+    query_lens_cpu: list[int]
+    seq_lens_cpu: list[int]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @property
+    def is_pure_decode(self) -> bool:
+        return self.max_query_len == 1

@@ -1,0 +1,234 @@
+"""Triton paged decode attention: one query token per sequence, split-K over long contexts.
+
+Flash-decoding in two kernels. The first runs one program per (sequence, kv head, split)::
+
+    context of a sequence:  [ split 0 | split 1 | ... | split S-1 ]   (the last ones may be empty)
+    each program:  the GROUP query heads of its kv head  x  the tokens of its split
+
+It loads each K/V row once for the whole GQA group: the group's query heads are the M
+dimension of ``tl.dot`` (padded to 16, the smallest tile the tensor cores take). It keeps an
+online softmax over its split and writes a partial result: the normalized output and its
+log-sum-exp. The second kernel weighs the partials of every split by their log-sum-exp into
+the output. With one split the first kernel writes the output itself and the second is skipped.
+
+Grid and buffer shapes depend only on the batch size, the head counts and the number of
+splits, never on the values of ``seq_lens``, so a CUDA graph can capture both launches.
+A sequence of length 0 (a padding row) gets an output of zeros.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+MIN_TOKENS_PER_SPLIT = 256  # below this the reduction costs more than the parallelism gains
+MAX_SPLITS = 32
+PROGRAMS_PER_SM = 2  # aim for this many first-kernel programs per SM before splitting stops
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr,  # (B, heads, head_dim)
+    k_cache_ptr,  # (num_blocks, block_size, kv_heads, head_dim), contiguous
+    v_cache_ptr,
+    block_tables_ptr,  # (B, max_blocks) int32
+    seq_lens_ptr,  # (B,) int32
+    out_ptr,  # (B, heads, head_dim): written only when NUM_SPLITS == 1
+    part_out_ptr,  # (B, heads, NUM_SPLITS, head_dim) fp32
+    part_lse_ptr,  # (B, heads, NUM_SPLITS) fp32, log2 units
+    scale_log2,  # softmax scale * log2(e): the kernel works with exp2
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_bt,
+    stride_cache_block,
+    stride_cache_slot,
+    stride_cache_head,
+    GROUP: tl.constexpr,  # query heads per kv head
+    BLOCK_H: tl.constexpr,  # GROUP padded to a power of two >= 16
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,  # HEAD_DIM padded to a power of two
+    PAGE_SIZE: tl.constexpr,  # tokens per cache block
+    BLOCK_N: tl.constexpr,  # context tokens per loop step
+    NUM_SPLITS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    seq_len = tl.load(seq_lens_ptr + seq)
+    # each split takes a whole number of BLOCK_N steps, so only the last step of a split masks
+    split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * split_len
+    end = tl.minimum(start + split_len, seq_len)
+
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    h_mask = offs_h < GROUP
+    d_mask = offs_d < HEAD_DIM
+    heads = kv_head * GROUP + offs_h
+
+    q_offs = seq * stride_qt + heads[:, None] * stride_qh + offs_d[None, :]
+    q = tl.load(q_ptr + q_offs, mask=h_mask[:, None] & d_mask[None, :], other=0.0)
+    # (BLOCK_H, BLOCK_D)
+
+    m = tl.full([BLOCK_H], float("-inf"), tl.float32)  # running max of the scores
+    l = tl.zeros([BLOCK_H], tl.float32)  # running sum of exp2(score - m)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    block_table = block_tables_ptr + seq * stride_bt
+    for n_start in range(start, end, BLOCK_N):
+        pos = n_start + offs_n
+        n_mask = pos < end
+        page = tl.load(block_table + pos // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
+        rows = page * stride_cache_block + (pos % PAGE_SIZE) * stride_cache_slot
+        kv_offs = rows[:, None] + kv_head * stride_cache_head + offs_d[None, :]
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(k_cache_ptr + kv_offs, mask=kv_mask, other=0.0).to(q.dtype)
+        v = tl.load(v_cache_ptr + kv_offs, mask=kv_mask, other=0.0).to(q.dtype)
+        # (BLOCK_N, BLOCK_D) each
+
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        s = tl.where(n_mask[None, :], s, float("-inf"))  # (BLOCK_H, BLOCK_N)
+        # every step has at least one unmasked token, so m_new is finite
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l = l * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(
+            p.to(v.dtype), v, input_precision=DOT_PRECISION
+        )
+        m = m_new
+
+    empty = l == 0.0  # an empty split, or a whole sequence of length 0
+    out = acc / tl.where(empty, 1.0, l)[:, None]
+    hd_mask = h_mask[:, None] & d_mask[None, :]
+    if NUM_SPLITS == 1:
+        o_offs = seq * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
+        tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=hd_mask)
+    else:
+        part = (seq * tl.num_programs(1) * GROUP + heads) * NUM_SPLITS + split  # (BLOCK_H,)
+        tl.store(part_out_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], out, mask=hd_mask)
+        lse = tl.where(empty, float("-inf"), m + tl.log2(tl.where(empty, 1.0, l)))
+        tl.store(part_lse_ptr + part, lse, mask=h_mask)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    part_out_ptr,  # (B, heads, NUM_SPLITS, head_dim) fp32
+    part_lse_ptr,  # (B, heads, NUM_SPLITS) fp32, log2 units
+    out_ptr,  # (B, heads, head_dim)
+    stride_ot,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr,  # NUM_SPLITS padded to a power of two
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_mask = offs_s < NUM_SPLITS
+    d_mask = offs_d < HEAD_DIM
+    part = (seq * tl.num_programs(1) + head) * NUM_SPLITS + offs_s  # (BLOCK_S,)
+
+    lse = tl.load(part_lse_ptr + part, mask=s_mask, other=float("-inf"))
+    lse_max = tl.max(lse, axis=0)
+    # all splits empty (seq_len 0): weights of exp2(-inf) = 0 and an output of zeros
+    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
+    weight = tl.exp2(lse - lse_max)  # (BLOCK_S,)
+    total = tl.sum(weight, axis=0)
+    parts = tl.load(
+        part_out_ptr + part[:, None] * HEAD_DIM + offs_d[None, :],
+        mask=s_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )  # (BLOCK_S, BLOCK_D)
+    out = tl.sum(parts * weight[:, None], axis=0) / tl.where(total == 0.0, 1.0, total)
+    o_offs = seq * stride_ot + head * stride_oh + offs_d
+    tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=d_mask)
+
+
+def choose_num_splits(batch_size: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> int:
+    """Split the context only while the grid is too small to fill the GPU and each split stays
+    at least MIN_TOKENS_PER_SPLIT long; short contexts always get one split."""
+    by_length = triton.cdiv(max(max_seq_len, 1), MIN_TOKENS_PER_SPLIT)
+    by_occupancy = triton.cdiv(PROGRAMS_PER_SM * num_sms, batch_size * num_kv_heads)
+    return max(1, min(MAX_SPLITS, by_length, by_occupancy))
+
+
+def decode_attention(
+    q: torch.Tensor,  # (B, heads, head_dim): one query token per sequence
+    k_cache: torch.Tensor,  # (num_blocks, block_size, kv_heads, head_dim)
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # (B, max_blocks) int32
+    seq_lens: torch.Tensor,  # (B,) int32
+    scale: float,
+    num_splits: int,
+    out: torch.Tensor | None = None,  # (B, heads, head_dim)
+    block_n: int = 64,
+) -> torch.Tensor:
+    """Paged attention of one query token per sequence over its whole cached context.
+
+    ``num_splits`` is the caller's choice (see ``choose_num_splits``); any value gives the same
+    result, so a CUDA graph may fix it at capture time.
+    """
+    batch_size, num_heads, head_dim = q.shape
+    num_kv_heads, page_size = k_cache.shape[2], k_cache.shape[1]
+    assert num_heads % num_kv_heads == 0 and q.stride(2) == 1
+    assert k_cache.is_contiguous() and v_cache.is_contiguous()
+    group = num_heads // num_kv_heads
+    if out is None:
+        out = torch.empty_like(q)
+    if batch_size == 0:
+        return out
+    part_out, part_lse = out, out  # unused with one split: the first kernel writes `out`
+    if num_splits > 1:
+        part_out = torch.empty(
+            (batch_size, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device
+        )
+        part_lse = torch.empty(
+            (batch_size, num_heads, num_splits), dtype=torch.float32, device=q.device
+        )
+    block_d = triton.next_power_of_2(head_dim)
+    _decode_split_kernel[(batch_size, num_kv_heads, num_splits)](
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        out,
+        part_out,
+        part_lse,
+        scale * 1.4426950408889634,  # log2(e)
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        block_tables.stride(0),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        GROUP=group,
+        BLOCK_H=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        PAGE_SIZE=page_size,
+        BLOCK_N=block_n,
+        NUM_SPLITS=num_splits,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+    )
+    if num_splits > 1:
+        _decode_reduce_kernel[(batch_size, num_heads)](
+            part_out,
+            part_lse,
+            out,
+            out.stride(0),
+            out.stride(1),
+            HEAD_DIM=head_dim,
+            BLOCK_D=block_d,
+            NUM_SPLITS=num_splits,
+            BLOCK_S=triton.next_power_of_2(num_splits),
+        )
+    return out

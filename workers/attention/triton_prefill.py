@@ -1,0 +1,161 @@
+"""Triton paged prefill / extend attention: any number of new tokens per sequence.
+
+Covers a whole prompt, a chunk of one, new tokens after a prefix hit, and decode rows
+(q_len == 1) mixed into the same batch. store_kv has already written the new tokens' K/V into
+the cache, so every key is read from the paged cache through the block table.
+
+One program per (sequence, query block, kv head). Its tile's M rows are BLOCK_Q new tokens
+times the GROUP query heads sharing the kv head, so each K/V row is loaded once per group::
+
+    row r of the tile:  token q_block * BLOCK_Q + r // GROUP,  query head kv_head * GROUP + r % GROUP
+    token j's position:  seq_len - q_len + j        (it sees keys at positions <= it)
+
+The program walks the context from position 0 up to its last token's position with an online
+softmax. Programs whose query block lies past their sequence's q_len exit at once, so the grid
+can be sized by ``max_query_len`` alone.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _extend_kernel(
+    q_ptr,  # (T, heads, head_dim)
+    k_cache_ptr,  # (num_blocks, block_size, kv_heads, head_dim), contiguous
+    v_cache_ptr,
+    out_ptr,  # (T, heads, head_dim)
+    query_start_loc_ptr,  # (B + 1,) int32
+    seq_lens_ptr,  # (B,) int32
+    block_tables_ptr,  # (B, max_blocks) int32
+    scale_log2,  # softmax scale * log2(e): the kernel works with exp2
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_bt,
+    stride_cache_block,
+    stride_cache_slot,
+    stride_cache_head,
+    GROUP: tl.constexpr,  # query heads per kv head
+    BLOCK_M: tl.constexpr,  # tile rows: BLOCK_Q tokens x GROUP heads, plus unused padding rows
+    BLOCK_Q: tl.constexpr,  # BLOCK_M // GROUP
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,  # HEAD_DIM padded to a power of two
+    PAGE_SIZE: tl.constexpr,  # tokens per cache block
+    BLOCK_N: tl.constexpr,  # context tokens per loop step
+    DOT_PRECISION: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    q_block = tl.program_id(1)
+    kv_head = tl.program_id(2)
+
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    if q_block * BLOCK_Q >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    num_cached = seq_len - q_len
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    d_mask = offs_d < HEAD_DIM
+    q_tok = q_block * BLOCK_Q + offs_m // GROUP  # (BLOCK_M,) index among the new tokens
+    heads = kv_head * GROUP + offs_m % GROUP
+    m_mask = (offs_m < BLOCK_Q * GROUP) & (q_tok < q_len)
+    q_pos = num_cached + q_tok  # (BLOCK_M,)
+
+    q_offs = (q_start + q_tok)[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :]
+    qd_mask = m_mask[:, None] & d_mask[None, :]
+    q = tl.load(q_ptr + q_offs, mask=qd_mask, other=0.0)  # (BLOCK_M, BLOCK_D)
+
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max of the scores
+    l = tl.zeros([BLOCK_M], tl.float32)  # running sum of exp2(score - m)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    block_table = block_tables_ptr + seq * stride_bt
+    end = num_cached + tl.minimum((q_block + 1) * BLOCK_Q, q_len)  # one past the last position
+    for n_start in range(0, end, BLOCK_N):
+        pos = n_start + offs_n
+        n_mask = pos < end
+        page = tl.load(block_table + pos // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
+        rows = page * stride_cache_block + (pos % PAGE_SIZE) * stride_cache_slot
+        kv_offs = rows[:, None] + kv_head * stride_cache_head + offs_d[None, :]
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(k_cache_ptr + kv_offs, mask=kv_mask, other=0.0).to(q.dtype)
+        v = tl.load(v_cache_ptr + kv_offs, mask=kv_mask, other=0.0).to(q.dtype)
+        # (BLOCK_N, BLOCK_D) each
+
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        causal = (pos[None, :] <= q_pos[:, None]) & n_mask[None, :]
+        s = tl.where(causal, s, float("-inf"))  # (BLOCK_M, BLOCK_N)
+        # key 0 is visible to every row, so the first step makes m finite and no row is NaN
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l = l * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(
+            p.to(v.dtype), v, input_precision=DOT_PRECISION
+        )
+        m = m_new
+
+    out = acc / l[:, None]
+    o_offs = (q_start + q_tok)[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
+    tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=qd_mask)
+
+
+def extend_attention(
+    q: torch.Tensor,  # (T, heads, head_dim)
+    k_cache: torch.Tensor,  # (num_blocks, block_size, kv_heads, head_dim)
+    v_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,  # (B + 1,) int32
+    seq_lens: torch.Tensor,  # (B,) int32
+    block_tables: torch.Tensor,  # (B, max_blocks) int32
+    max_query_len: int,
+    scale: float,
+    out: torch.Tensor | None = None,  # (T, heads, head_dim)
+    block_m: int = 64,
+    block_n: int = 64,
+) -> torch.Tensor:
+    """Causal paged attention of each sequence's new tokens over its whole context."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads, page_size = k_cache.shape[2], k_cache.shape[1]
+    assert num_heads % num_kv_heads == 0 and q.stride(2) == 1
+    assert k_cache.is_contiguous() and v_cache.is_contiguous()
+    group = num_heads // num_kv_heads
+    if out is None:
+        out = torch.empty_like(q)
+    batch_size = seq_lens.shape[0]
+    if num_tokens == 0 or batch_size == 0:
+        return out
+    block_m = max(block_m, triton.next_power_of_2(group))
+    block_q = block_m // group
+    grid = (batch_size, triton.cdiv(max_query_len, block_q), num_kv_heads)
+    _extend_kernel[grid](
+        q,
+        k_cache,
+        v_cache,
+        out,
+        query_start_loc,
+        seq_lens,
+        block_tables,
+        scale * 1.4426950408889634,  # log2(e)
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        block_tables.stride(0),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        GROUP=group,
+        BLOCK_M=block_m,
+        BLOCK_Q=block_q,
+        HEAD_DIM=head_dim,
+        BLOCK_D=triton.next_power_of_2(head_dim),
+        PAGE_SIZE=page_size,
+        BLOCK_N=block_n,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+    )
+    return out
