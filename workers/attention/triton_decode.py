@@ -74,8 +74,8 @@ def _decode_split_kernel(
     q = tl.load(q_ptr + q_offs, mask=h_mask[:, None] & d_mask[None, :], other=0.0)
     # (BLOCK_H, BLOCK_D)
 
-    m = tl.full([BLOCK_H], float("-inf"), tl.float32)  # running max of the scores
-    l = tl.zeros([BLOCK_H], tl.float32)  # running sum of exp2(score - m)
+    row_max = tl.full([BLOCK_H], float("-inf"), tl.float32)  # running max of the scores
+    row_sum = tl.zeros([BLOCK_H], tl.float32)  # running sum of exp2(score - row_max)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
     block_table = block_tables_ptr + seq * stride_bt
     for n_start in range(start, end, BLOCK_N):
@@ -91,18 +91,16 @@ def _decode_split_kernel(
 
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
         s = tl.where(n_mask[None, :], s, float("-inf"))  # (BLOCK_H, BLOCK_N)
-        # every step has at least one unmasked token, so m_new is finite
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l = l * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(
-            p.to(v.dtype), v, input_precision=DOT_PRECISION
-        )
-        m = m_new
+        # every step has at least one unmasked token, so new_max is finite
+        new_max = tl.maximum(row_max, tl.max(s, axis=1))
+        alpha = tl.exp2(row_max - new_max)
+        p = tl.exp2(s - new_max[:, None])
+        row_sum = row_sum * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        row_max = new_max
 
-    empty = l == 0.0  # an empty split, or a whole sequence of length 0
-    out = acc / tl.where(empty, 1.0, l)[:, None]
+    empty = row_sum == 0.0  # an empty split, or a whole sequence of length 0
+    out = acc / tl.where(empty, 1.0, row_sum)[:, None]
     hd_mask = h_mask[:, None] & d_mask[None, :]
     if NUM_SPLITS == 1:
         o_offs = seq * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
@@ -110,7 +108,7 @@ def _decode_split_kernel(
     else:
         part = (seq * tl.num_programs(1) * GROUP + heads) * NUM_SPLITS + split  # (BLOCK_H,)
         tl.store(part_out_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], out, mask=hd_mask)
-        lse = tl.where(empty, float("-inf"), m + tl.log2(tl.where(empty, 1.0, l)))
+        lse = tl.where(empty, float("-inf"), row_max + tl.log2(tl.where(empty, 1.0, row_sum)))
         tl.store(part_lse_ptr + part, lse, mask=h_mask)
 
 

@@ -7,7 +7,7 @@ the cache, so every key is read from the paged cache through the block table.
 One program per (sequence, query block, kv head). Its tile's M rows are BLOCK_Q new tokens
 times the GROUP query heads sharing the kv head, so each K/V row is loaded once per group::
 
-    row r of the tile:  token q_block * BLOCK_Q + r // GROUP,  query head kv_head * GROUP + r % GROUP
+    row r of the tile:  token q_block * BLOCK_Q + r // GROUP,  head kv_head * GROUP + r % GROUP
     token j's position:  seq_len - q_len + j        (it sees keys at positions <= it)
 
 The program walks the context from position 0 up to its last token's position with an online
@@ -71,8 +71,8 @@ def _extend_kernel(
     qd_mask = m_mask[:, None] & d_mask[None, :]
     q = tl.load(q_ptr + q_offs, mask=qd_mask, other=0.0)  # (BLOCK_M, BLOCK_D)
 
-    m = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max of the scores
-    l = tl.zeros([BLOCK_M], tl.float32)  # running sum of exp2(score - m)
+    row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max of the scores
+    row_sum = tl.zeros([BLOCK_M], tl.float32)  # running sum of exp2(score - row_max)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     block_table = block_tables_ptr + seq * stride_bt
     end = num_cached + tl.minimum((q_block + 1) * BLOCK_Q, q_len)  # one past the last position
@@ -90,17 +90,15 @@ def _extend_kernel(
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
         causal = (pos[None, :] <= q_pos[:, None]) & n_mask[None, :]
         s = tl.where(causal, s, float("-inf"))  # (BLOCK_M, BLOCK_N)
-        # key 0 is visible to every row, so the first step makes m finite and no row is NaN
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l = l * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(
-            p.to(v.dtype), v, input_precision=DOT_PRECISION
-        )
-        m = m_new
+        # key 0 is visible to every row, so the first step makes row_max finite and no row is NaN
+        new_max = tl.maximum(row_max, tl.max(s, axis=1))
+        alpha = tl.exp2(row_max - new_max)
+        p = tl.exp2(s - new_max[:, None])
+        row_sum = row_sum * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        row_max = new_max
 
-    out = acc / l[:, None]
+    out = acc / row_sum[:, None]
     o_offs = (q_start + q_tok)[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
     tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=qd_mask)
 

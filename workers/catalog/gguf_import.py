@@ -45,7 +45,7 @@ _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
 def hf_tensor_name(gguf_name: str) -> str:
-    """llama.cpp tensor name -> HF name, e.g. blk.3.attn_q.bias -> model.layers.3.self_attn.q_proj.bias."""
+    """llama.cpp name -> HF name: blk.3.attn_q.bias -> model.layers.3.self_attn.q_proj.bias."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     match = _LAYER_TENSOR.fullmatch(gguf_name)
@@ -76,6 +76,8 @@ def build_config(reader: gguf.GGUFReader, vocab_size: int, has_lm_head: bool) ->
         raise ValueError("GGUF rope scaling is not supported by the importer")
     hidden_size = read_field(reader, f"{arch}.embedding_length")
     num_heads = read_field(reader, f"{arch}.attention.head_count")
+    # GGUF stores float32; print-round so 1e-5 is not 9.999999747378752e-06.
+    rms_norm_eps = float(f"{read_field(reader, f'{arch}.attention.layer_norm_rms_epsilon'):.6g}")
     config = {
         "architectures": [ARCHITECTURES[arch]],
         "model_type": arch,
@@ -86,8 +88,7 @@ def build_config(reader: gguf.GGUFReader, vocab_size: int, has_lm_head: bool) ->
         "num_key_value_heads": read_field(reader, f"{arch}.attention.head_count_kv", num_heads),
         "head_dim": read_field(reader, f"{arch}.attention.key_length", hidden_size // num_heads),
         "hidden_act": "silu",
-        # GGUF stores float32; print-round so 1e-5 is not 9.999999747378752e-06.
-        "rms_norm_eps": float(f"{read_field(reader, f'{arch}.attention.layer_norm_rms_epsilon'):.6g}"),
+        "rms_norm_eps": rms_norm_eps,
         "rope_theta": float(read_field(reader, f"{arch}.rope.freq_base", 10000.0)),
         "max_position_embeddings": read_field(reader, f"{arch}.context_length"),
         "vocab_size": vocab_size,
@@ -101,7 +102,9 @@ def build_config(reader: gguf.GGUFReader, vocab_size: int, has_lm_head: bool) ->
     return config
 
 
-def dequantized_tensors(reader: gguf.GGUFReader, config: dict) -> Iterator[tuple[str, torch.Tensor]]:
+def dequantized_tensors(
+    reader: gguf.GGUFReader, config: dict
+) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, float32 tensor) for every tensor of the file, q/k un-permuted where needed."""
     permuted = config["model_type"] in _ROTARY_PERMUTED
     heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}

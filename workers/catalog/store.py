@@ -23,7 +23,8 @@ def cache_root(cache_dir: str | Path | None = None) -> Path:
 
 def lookup(name: str) -> CatalogEntry:
     if name not in CATALOG:
-        raise ValueError(f"unknown model {name!r}: not in the catalog (known: {', '.join(CATALOG)})")
+        known = ", ".join(CATALOG)
+        raise ValueError(f"unknown model {name!r}: not in the catalog (known: {known})")
     return CATALOG[name]
 
 

@@ -1,8 +1,11 @@
 """Token embedding and LM head with the vocabulary split across tensor-parallel ranks.
 
-The vocabulary is padded up to a multiple of 64 * tp (every rank's shard a multiple of 64
-rows), so vocabularies such as 49,152 + 1 or 151,936 still shard evenly. Rank r owns padded
-rows [r * V_local, (r + 1) * V_local); padding rows are zero and never reach the caller::
+When sharded, the vocabulary is padded up to a multiple of 64 * tp (every rank's shard a
+multiple of 64 rows), so vocabularies such as 49,153 still shard evenly. At tp = 1 it is not
+padded: the LM head matmul then has exactly HF's shape, and CPU BLAS rounds a matrix-vector
+product of 997 rows differently from one of 1024, so padding would cost bit-exact decode
+logits. Rank r owns padded rows [r * V_local, (r + 1) * V_local); padding rows are zero and
+never reach the caller::
 
     rows:    [ rank 0 | rank 1 | ... | rank tp-1 ]
     ids:     [ 0 .......................... V-1 | padding ]
@@ -19,6 +22,8 @@ PAD_MULTIPLE = 64
 
 
 def padded_vocab_size(vocab_size: int, tp_size: int) -> int:
+    if tp_size == 1:
+        return vocab_size
     multiple = PAD_MULTIPLE * tp_size
     return -(-vocab_size // multiple) * multiple
 
@@ -32,7 +37,9 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_size = vocab_size
         self.num_local_rows = padded_vocab_size(vocab_size, tp.size) // tp.size
         self.vocab_start = tp.rank * self.num_local_rows
-        self.weight = nn.Parameter(torch.empty(self.num_local_rows, hidden_size), requires_grad=False)
+        self.weight = nn.Parameter(
+            torch.empty(self.num_local_rows, hidden_size), requires_grad=False
+        )
         self.weight.weight_loader = self.weight_loader
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:

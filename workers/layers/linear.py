@@ -25,12 +25,14 @@ def divide(numerator: int, denominator: int, what: str) -> int:
 def copy_shard(dst: torch.Tensor, src: torch.Tensor) -> None:
     # copy_ would broadcast a wrongly shaped tensor silently
     if dst.shape != src.shape:
-        raise ValueError(f"checkpoint shard has shape {tuple(src.shape)}, expected {tuple(dst.shape)}")
+        raise ValueError(
+            f"checkpoint shard has shape {tuple(src.shape)}, expected {tuple(dst.shape)}"
+        )
     dst.copy_(src)
 
 
 class ShardedLinear(nn.Module):
-    """Holds the local (out_local, in_local) weight and optional bias; subclasses say how to slice."""
+    """The local (out_local, in_local) weight and optional bias; subclasses say how to slice."""
 
     def __init__(self, in_local: int, out_local: int, bias: bool, tp: TensorParallelGroup):
         super().__init__()
@@ -54,7 +56,9 @@ class ShardedLinear(nn.Module):
 class ColumnParallelLinear(ShardedLinear):
     """Rank r holds output rows [r * out/tp, (r + 1) * out/tp); its output stays sharded."""
 
-    def __init__(self, input_size: int, output_size: int, tp: TensorParallelGroup, bias: bool = False):
+    def __init__(
+        self, input_size: int, output_size: int, tp: TensorParallelGroup, bias: bool = False
+    ):
         super().__init__(input_size, divide(output_size, tp.size, "output size"), bias, tp)
 
     def weight_loader(self, param, loaded, shard_id=None):
@@ -69,7 +73,9 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     index of the checkpoint tensor in output_sizes.
     """
 
-    def __init__(self, input_size: int, output_sizes: list[int], tp: TensorParallelGroup, bias: bool = False):
+    def __init__(
+        self, input_size: int, output_sizes: list[int], tp: TensorParallelGroup, bias: bool = False
+    ):
         self.local_sizes = [divide(s, tp.size, "output size") for s in output_sizes]
         super().__init__(input_size, sum(output_sizes), tp, bias)
 
@@ -126,7 +132,9 @@ class RowParallelLinear(ShardedLinear):
     The bias is replicated and added once, after the reduce, so it is not counted tp times.
     """
 
-    def __init__(self, input_size: int, output_size: int, tp: TensorParallelGroup, bias: bool = False):
+    def __init__(
+        self, input_size: int, output_size: int, tp: TensorParallelGroup, bias: bool = False
+    ):
         super().__init__(divide(input_size, tp.size, "input size"), output_size, bias, tp)
 
     def weight_loader(self, param, loaded, shard_id=None):

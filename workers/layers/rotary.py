@@ -15,18 +15,20 @@ from transformers import PretrainedConfig
 def rope_parameters(config: PretrainedConfig) -> dict:
     """rope_type, rope_theta and scaling numbers, from transformers 5 (``rope_parameters``) or
     4.x (``rope_theta`` plus ``rope_scaling``) configs."""
-    params = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+    params = dict(params or {})
     params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
     params.setdefault("rope_type", params.get("type", "default"))
     return params
 
 
 def default_inv_freq(base: float, dim: int) -> torch.Tensor:
-    return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))  # (dim/2,)
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim
+    return 1.0 / (base**exponents)  # (dim/2,)
 
 
 def llama3_inv_freq(params: dict, dim: int, max_positions: int) -> torch.Tensor:
-    """Llama 3.1: long wavelengths slowed down by `factor`, short ones kept, a smooth ramp between."""
+    """Llama 3.1: long wavelengths slowed by `factor`, short ones kept, a smooth ramp between."""
     inv_freq = default_inv_freq(params["rope_theta"], dim)
     factor = params["factor"]
     low_freq_factor, high_freq_factor = params["low_freq_factor"], params["high_freq_factor"]
@@ -36,8 +38,12 @@ def llama3_inv_freq(params: dict, dim: int, max_positions: int) -> torch.Tensor:
 
     wavelen = 2 * math.pi / inv_freq
     inv_freq_llama = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
-    smooth_factor = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
-    smoothed_inv_freq = (1 - smooth_factor) * inv_freq_llama / factor + smooth_factor * inv_freq_llama
+    smooth_factor = (old_context_len / wavelen - low_freq_factor) / (
+        high_freq_factor - low_freq_factor
+    )
+    smoothed_inv_freq = (
+        1 - smooth_factor
+    ) * inv_freq_llama / factor + smooth_factor * inv_freq_llama
     is_medium_freq = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
     return torch.where(is_medium_freq, smoothed_inv_freq, inv_freq_llama)
 
@@ -74,7 +80,9 @@ class RotaryEmbedding(nn.Module):
         # attribute, not a buffer: model.to(bfloat16) must not round the frequencies.
         self.inv_freq = inv_freq_for(config, head_dim).to(torch.get_default_device())
 
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """positions: (T,) → cos, sin: (T, head_dim) in dtype."""
         freqs = positions[:, None].float() * self.inv_freq.to(positions.device)  # (T, head_dim/2)
         emb = torch.cat((freqs, freqs), dim=-1)  # (T, head_dim)

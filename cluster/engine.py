@@ -1,0 +1,195 @@
+"""The engine of one replica: requests in, a step at a time, outputs out.
+
+Each ``step()`` asks the scheduler what to run, sends the workers one ``StepInput``, commits
+the sampled tokens, and turns them into ``RequestOutput``s (text, stop strings, metrics).
+"""
+
+import itertools
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from cluster.config import EngineConfig
+from cluster.executor import Executor, UniExecutor
+from cluster.output_processor import (
+    RequestTracker, add_token, finish_completion, make_tracker,
+)
+from cluster.outputs import EngineStats, RequestOutput
+from cluster.step_builder import StepBuilder
+from cluster.tokenizer import Message, apply_chat_template, eos_token_ids, load_tokenizer
+from kvstore.kv_cache_manager import KVCacheManager
+from router.sampling_params import SamplingParams
+from router.scheduler import Scheduler, SchedulerConfig
+from router.sequence import FinishReason, Sequence
+from workers.catalog import resolve_model
+from workers.loader import load_config
+from workers.worker import WorkerConfig
+
+Prompt = str | list[int]
+
+
+def worker_config(config: EngineConfig, folder: Path) -> WorkerConfig:
+    return WorkerConfig(
+        model_path=str(folder), device=config.resolved_device, dtype=config.dtype,
+        block_size=config.block_size, attention_backend=config.attention_backend,
+        cpu_kv_cache_bytes=int(config.cpu_kv_cache_gb * (1 << 30)),
+        gpu_memory_utilization=config.gpu_memory_utilization,
+        max_num_batched_tokens=config.max_num_batched_tokens, seed=config.seed,
+    )
+
+
+def make_executor(config: EngineConfig, folder: Path) -> Executor:
+    if config.distributed_executor_backend == "ray":
+        from cluster.ray_executor import RayExecutor
+
+        return RayExecutor(worker_config(config, folder), config.tensor_parallel_size)
+    return UniExecutor(worker_config(config, folder))
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, executor: Executor | None = None) -> None:
+        self.config = config
+        self.model_path = resolve_model(config.model)
+        hf_config = load_config(self.model_path)
+        self.vocab_size = hf_config.vocab_size
+        self.tokenizer = load_tokenizer(self.model_path)
+        self.eos_token_ids = eos_token_ids(self.model_path, self.tokenizer)
+        self.executor = executor or make_executor(config, self.model_path)
+        num_blocks = config.num_kv_blocks or self.executor.determine_num_kv_blocks()
+        self.executor.init_kv_cache(num_blocks)
+        self.kv_capacity = num_blocks * config.block_size
+        self.model_len = config.max_model_len or hf_config.max_position_embeddings
+        # a sequence must fit the cache alone, or preempting everyone else would not save it
+        self.max_model_len = min(self.model_len, self.kv_capacity)
+        kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
+                            extra_keys=(str(self.model_path),))
+        self.scheduler = Scheduler(SchedulerConfig(
+            self.max_model_len, config.max_num_batched_tokens, config.max_num_seqs,
+            config.max_prefill_chunk,
+        ), kv)
+        self.step_builder = StepBuilder()
+        self.requests: dict[str, RequestTracker] = {}
+        self.seq_to_request: dict[str, str] = {}
+        self._ids = itertools.count()
+
+    # -- requests ---------------------------------------------------------------------------
+
+    def tokenize(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: give prompts as token ids")
+            return self.tokenizer.encode(prompt)
+        return list(prompt)
+
+    def chat_prompt(self, messages: list[Message]) -> list[int]:
+        return apply_chat_template(self.tokenizer, messages)
+
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        """Queues a request; bad input raises ValueError and changes nothing."""
+        params = params or SamplingParams()
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if request_id in self.requests:
+            raise ValueError(f"request id '{request_id}' is already in use")
+        prompt_ids = self.tokenize(prompt)
+        self._check_prompt(prompt_ids)
+        seq_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
+        text = prompt if isinstance(prompt, str) else None
+        tracker = make_tracker(request_id, text, prompt_ids, params, seq_ids, self.tokenizer)
+        self.requests[request_id] = tracker
+        for index, seq_id in enumerate(seq_ids):
+            seq_params = params
+            if params.n > 1 and params.seed is not None:  # distinct, reproducible samples
+                seq_params = replace(params, seed=params.seed + index)
+            self.seq_to_request[seq_id] = request_id
+            self.scheduler.add(Sequence(seq_id, prompt_ids, seq_params, self.eos_token_ids,
+                                        arrival_time=tracker.metrics.arrival_time))
+        return request_id
+
+    def _check_prompt(self, prompt_ids: list[int]) -> None:
+        if not prompt_ids:
+            raise ValueError("prompt is empty")
+        bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is out of range for a vocabulary of "
+                             f"{self.vocab_size}")
+        if len(prompt_ids) >= self.max_model_len:
+            limit = (f"max_model_len is {self.model_len}" if self.model_len <= self.kv_capacity
+                     else f"the KV cache holds {self.kv_capacity} tokens")
+            raise ValueError(f"prompt has {len(prompt_ids)} tokens: {limit}, "
+                             "which leaves no room to generate")
+
+    def abort(self, request_id: str) -> None:
+        """Ends a request at once and frees its blocks; unknown ids are ignored."""
+        tracker = self.requests.pop(request_id, None)
+        if tracker is None:
+            return
+        for seq_id, completion in tracker.completions.items():
+            seq = self.scheduler.finish(seq_id, FinishReason.ABORT)
+            if seq is not None:
+                finish_completion(completion, seq)
+            self.seq_to_request.pop(seq_id, None)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- the step ---------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        scheduled = self.scheduler.schedule()
+        if scheduled.is_empty and not scheduled.released_ids:
+            return []
+        result = self.executor.execute(self.step_builder.build(scheduled))
+        sampled = {rid: [token] for rid, token in zip(result.request_ids, result.token_ids,
+                                                       strict=True)}
+        finished = {seq.request_id: seq for seq in self.scheduler.update(scheduled, sampled)}
+        now = time.monotonic()
+        touched: dict[str, RequestTracker] = {}
+        for row, seq_id in enumerate(result.request_ids):
+            request_id = self.seq_to_request.get(seq_id)
+            if request_id is None:
+                continue  # aborted while its step ran
+            tracker = self.requests[request_id]
+            touched[request_id] = tracker
+            if tracker.metrics.first_token_time is None:
+                tracker.metrics.first_token_time = now
+            logprobs = result.logprobs[row] if result.logprobs is not None else None
+            completion = tracker.completions[seq_id]
+            stop = add_token(completion, tracker.params, result.token_ids[row], logprobs)
+            if stop is not None and seq_id not in finished:
+                seq = self.scheduler.finish(seq_id, FinishReason.STOP, stop_reason=stop)
+                if seq is not None:
+                    finished[seq_id] = seq
+            elif stop is not None:  # finished by length on the very token that stopped it
+                finished[seq_id].finish(FinishReason.STOP, stop_reason=stop)
+            if seq_id in finished:
+                finish_completion(completion, finished[seq_id])
+                self._record_finish(tracker, finished[seq_id], now)
+        outputs = [tracker.snapshot() for tracker in touched.values()]
+        for output in outputs:
+            if output.finished:
+                self._drop(output.request_id)
+        return outputs
+
+    def _record_finish(self, tracker: RequestTracker, seq: Sequence, now: float) -> None:
+        tracker.metrics.num_cached_tokens = max(seq.num_cached_tokens, 0)
+        tracker.metrics.num_preemptions += seq.num_preemptions
+        if tracker.finished:
+            tracker.metrics.finished_time = now
+
+    def _drop(self, request_id: str) -> None:
+        tracker = self.requests.pop(request_id)
+        for seq_id in tracker.completions:
+            self.seq_to_request.pop(seq_id, None)
+
+    def stats(self) -> EngineStats:
+        kv = self.scheduler.kv
+        return EngineStats(
+            prefix_cache_queries=kv.stats.queries, prefix_cache_hits=kv.stats.hits,
+            num_preemptions=self.scheduler.num_preemptions,
+            kv_blocks_used=kv.num_used_blocks, kv_blocks_total=kv.num_blocks,
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+        )
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()

@@ -1,0 +1,34 @@
+"""Where the model's shards run. The engine sees only this interface."""
+
+from typing import Protocol
+
+from workers.step_input import StepInput, StepOutput
+from workers.worker import Worker, WorkerConfig
+
+
+class Executor(Protocol):
+    def determine_num_kv_blocks(self) -> int: ...
+    def init_kv_cache(self, num_blocks: int) -> None: ...
+    def execute(self, step: StepInput) -> StepOutput: ...
+    def shutdown(self) -> None: ...
+
+
+class UniExecutor:
+    """One worker in the engine's own process: one device, no tensor parallelism."""
+
+    def __init__(self, config: WorkerConfig) -> None:
+        self.worker = Worker(config)
+
+    def determine_num_kv_blocks(self) -> int:
+        return self.worker.determine_num_kv_blocks()
+
+    def init_kv_cache(self, num_blocks: int) -> None:
+        self.worker.init_kv_cache(num_blocks)
+
+    def execute(self, step: StepInput) -> StepOutput:
+        output = self.worker.execute(step)
+        assert output is not None, "the in-process worker is the driver"
+        return output
+
+    def shutdown(self) -> None:
+        self.worker.kv_caches = []

@@ -1,0 +1,41 @@
+"""Builds the per-step message to the workers from the scheduler's decision (deltas only)."""
+
+from router.sampling_params import SamplingParams
+from router.scheduler import SchedulerOutput
+from workers.sampler import SamplingSpec
+from workers.step_input import NewRequest, ScheduledRequest, StepInput
+
+
+def sampling_spec(params: SamplingParams) -> SamplingSpec:
+    return SamplingSpec(
+        temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
+        min_p=params.min_p, repetition_penalty=params.repetition_penalty,
+        presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
+        seed=params.seed, logprobs=params.logprobs,
+    )
+
+
+class StepBuilder:
+    def __init__(self) -> None:
+        self.num_tokens_sent: dict[str, int] = {}  # how many of each request's tokens workers hold
+
+    def build(self, output: SchedulerOutput) -> StepInput:
+        for request_id in output.released_ids:
+            self.num_tokens_sent.pop(request_id, None)
+        new_requests, scheduled = [], []
+        for item in output.scheduled:
+            seq, request_id = item.seq, item.seq.request_id
+            if item.is_new:
+                new_requests.append(NewRequest(
+                    request_id, list(seq.token_ids), seq.num_prompt_tokens,
+                    item.new_block_ids, sampling_spec(seq.params),
+                ))
+                new_tokens, new_blocks = [], []
+            else:
+                new_tokens = seq.token_ids[self.num_tokens_sent[request_id] :]
+                new_blocks = item.new_block_ids
+            self.num_tokens_sent[request_id] = seq.num_tokens
+            scheduled.append(ScheduledRequest(
+                request_id, seq.num_computed_tokens, item.num_new_tokens, new_tokens, new_blocks
+            ))
+        return StepInput(new_requests, scheduled, list(output.released_ids))

@@ -1,0 +1,29 @@
+"""Tiny random HuggingFace models for CPU tests, saved once per session."""
+
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+
+COMMON = dict(
+    hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6,
+    # larger weights than the default 0.02 give peaked logits, so greedy picks are stable
+    initializer_range=0.2, bos_token_id=None, eos_token_id=None, pad_token_id=None,
+)
+
+SPECS = {
+    "llama-tied": (LlamaConfig, dict(vocab_size=997, tie_word_embeddings=True)),
+    "llama": (LlamaConfig, dict(vocab_size=1001, tie_word_embeddings=False, rope_theta=500000.0)),
+    "qwen2": (Qwen2Config, dict(vocab_size=999, tie_word_embeddings=False)),
+    "qwen3": (Qwen3Config, dict(vocab_size=1003, head_dim=32, tie_word_embeddings=True)),
+}
+
+
+def build_tiny_model(name: str, folder: Path) -> Path:
+    config_cls, extra = SPECS[name]
+    config = config_cls(**COMMON, **extra)
+    torch.manual_seed(sum(map(ord, name)))
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(folder / name)
+    return folder / name

@@ -1,0 +1,189 @@
+"""The Triton attention kernels on the CPU (TRITON_INTERPRET=1) against the PyTorch reference.
+
+Shapes are small because the interpreter runs every program in numpy. Block tables are
+shuffled, so a kernel that assumes contiguous blocks fails.
+"""
+
+import os
+
+# must be set before triton is imported anywhere; a missing triton fails these tests (no skip)
+os.environ["TRITON_INTERPRET"] = "1"
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import triton.language as tl  # noqa: E402
+from triton.runtime import interpreter  # noqa: E402
+
+from workers.attention.metadata import AttentionMetadata  # noqa: E402
+from workers.attention.reference import ReferenceAttentionBackend, paged_attention  # noqa: E402
+from workers.attention.triton_backend import TritonAttentionBackend  # noqa: E402
+from workers.attention.triton_decode import choose_num_splits, decode_attention  # noqa: E402
+from workers.attention.triton_store import store_kv  # noqa: E402
+
+TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 2e-2}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def interpreter_fixes():
+    """Two bugs of Triton 3.6's interpreter that the GPU compiler does not have, patched for
+    this module's tests only:
+
+    - it calls int() on a scalar held as a 1-element array, which numpy >= 2.4 refuses, so
+      ``range(start, end)`` over loaded bounds fails (triton-lang/triton#9171, fixed by #9172);
+    - it stores bfloat16 as uint16 and ``tl.dot`` multiplies those bit patterns
+      (triton-lang/triton#11584): convert bfloat16 operands to float32 first.
+    """
+    original_patch_tensor = interpreter._patch_lang_tensor
+    original_dot = interpreter.InterpreterBuilder.create_dot
+
+    def patch_lang_tensor(tensor, scope):
+        original_patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    def as_float32(handle):
+        if handle.dtype.scalar != tl.bfloat16:
+            return handle
+        data = interpreter._convert_float(handle.data, tl.bfloat16, tl.float32, None)
+        return interpreter.TensorHandle(data.view(np.float32), tl.float32)
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        a, b = as_float32(a), as_float32(b)
+        return original_dot(self, a, b, d, input_precision, max_num_imprecise_acc)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(interpreter, "_patch_lang_tensor", patch_lang_tensor)
+        patch.setattr(interpreter.InterpreterBuilder, "create_dot", create_dot)
+        yield
+
+
+def make_batch(seq_lens, q_lens, heads, kv_heads, head_dim, block_size, dtype, seed=0):
+    """Random q/k/v for the new tokens, caches holding a random cached prefix, and metadata
+    whose block tables are a shuffled (non-contiguous) assignment of the cache blocks."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks_per_seq = [-(-n // block_size) for n in seq_lens]
+    num_blocks = sum(blocks_per_seq) + 3  # spare blocks that no sequence owns
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    max_blocks = max(blocks_per_seq + [1])
+    block_tables = torch.zeros((len(seq_lens), max_blocks), dtype=torch.int32)
+    slots = []
+    for i, (seq_len, q_len) in enumerate(zip(seq_lens, q_lens, strict=True)):
+        owned = [order.pop() for _ in range(blocks_per_seq[i])]
+        block_tables[i, : len(owned)] = torch.tensor(owned, dtype=torch.int32)
+        for pos in range(seq_len - q_len, seq_len):
+            slots.append(owned[pos // block_size] * block_size + pos % block_size)
+
+    num_tokens = sum(q_lens)
+    cache_shape = (num_blocks, block_size, kv_heads, head_dim)
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        query_start_loc=torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=block_tables,
+        max_query_len=max(q_lens),
+        max_seq_len=max(seq_lens),
+        query_lens_cpu=list(q_lens),
+        seq_lens_cpu=list(seq_lens),
+    )
+    return (
+        torch.randn((num_tokens, heads, head_dim), generator=gen).to(dtype),
+        torch.randn((num_tokens, kv_heads, head_dim), generator=gen).to(dtype),
+        torch.randn((num_tokens, kv_heads, head_dim), generator=gen).to(dtype),
+        torch.randn(cache_shape, generator=gen).to(dtype),
+        torch.randn(cache_shape, generator=gen).to(dtype),
+        meta,
+    )
+
+
+def check_against_reference(batch, dtype):
+    q, k, v, k_cache, v_cache, meta = batch
+    scale = q.shape[-1] ** -0.5
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    expected = ReferenceAttentionBackend().forward(q, k, v, k_ref, v_ref, meta, scale)
+    got = TritonAttentionBackend().forward(q, k, v, k_cache, v_cache, meta, scale)
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(got.float(), expected.float(), atol=tol, rtol=tol)
+
+
+def test_store_kv_skips_padding_slots():
+    k_cache = torch.zeros((4, 8, 2, 64))
+    v_cache = torch.zeros((4, 8, 2, 64))
+    qkv = torch.randn((3, 3, 2, 64))  # k and v as strided views of a fused projection
+    k, v = qkv[:, 1], qkv[:, 2]
+    slot_mapping = torch.tensor([17, -1, 3], dtype=torch.int64)
+
+    store_kv(k, v, k_cache, v_cache, slot_mapping)
+
+    flat_k, flat_v = k_cache.view(-1, 2, 64), v_cache.view(-1, 2, 64)
+    assert torch.equal(flat_k[17], k[0]) and torch.equal(flat_k[3], k[2])
+    assert torch.equal(flat_v[17], v[0]) and torch.equal(flat_v[3], v[2])
+    written = torch.zeros(32, dtype=torch.bool)
+    written[[17, 3]] = True
+    assert not flat_k[~written].any() and not flat_v[~written].any()
+
+
+@pytest.mark.parametrize("block_size", [16, 8])
+@pytest.mark.parametrize("heads,kv_heads", [(8, 2), (4, 4)])
+def test_decode_matches_reference(heads, kv_heads, block_size):
+    seq_lens = [1, 17, 300, 64]
+    # the 300-token sequence is longer than a split, so the backend splits its context
+    assert choose_num_splits(len(seq_lens), kv_heads, max(seq_lens), num_sms=132) > 1
+    batch = make_batch(seq_lens, [1] * 4, heads, kv_heads, 64, block_size, torch.float32)
+    check_against_reference(batch, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_decode_half_precision(dtype):
+    batch = make_batch([300, 5, 40], [1] * 3, 8, 2, 128, 16, dtype, seed=1)
+    check_against_reference(batch, dtype)
+
+
+def test_decode_odd_group_and_head_dim():
+    # group of 3 query heads, head_dim 80: both padded inside the kernel
+    batch = make_batch([33, 270], [1, 1], 6, 2, 80, 16, torch.float32, seed=2)
+    check_against_reference(batch, torch.float32)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3, 7])
+def test_decode_any_split_count_and_padding_row(num_splits):
+    """Any split count gives the same answer (CUDA graphs fix it at capture); a padding row
+    with seq_len 0 yields zeros; more splits than context leaves some splits empty."""
+    q, _, _, k_cache, v_cache, meta = make_batch([130, 9], [1, 1], 8, 2, 64, 8, torch.float32)
+    scale = 0.125
+    expected = paged_attention(q, k_cache, v_cache, meta, scale)
+
+    padded_q = torch.cat([q, torch.randn((1, 8, 64))])  # (3, heads, head_dim)
+    padded_tables = torch.cat([meta.block_tables, torch.zeros_like(meta.block_tables[:1])])
+    padded_lens = torch.tensor([130, 9, 0], dtype=torch.int32)
+    got = decode_attention(
+        padded_q, k_cache, v_cache, padded_tables, padded_lens, scale, num_splits
+    )
+
+    torch.testing.assert_close(got[:2], expected, atol=1e-4, rtol=1e-4)
+    assert not got[2].any()
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(8, 2), (4, 4), (6, 2)])
+def test_extend_prefix_hits_prefill_and_decode_rows(heads, kv_heads):
+    # sequences: a prefix hit, a decode row, a pure prefill spanning 3 query blocks, a chunk
+    seq_lens, q_lens = [20, 40, 50, 70], [5, 1, 50, 16]
+    batch = make_batch(seq_lens, q_lens, heads, kv_heads, 64, 16, torch.float32, seed=3)
+    check_against_reference(batch, torch.float32)
+
+
+def test_pure_prefill_block_size_8():
+    batch = make_batch([7, 24], [7, 24], 8, 2, 64, 8, torch.float32, seed=4)
+    check_against_reference(batch, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_mixed_decode_and_prefill_half_precision(dtype):
+    batch = make_batch([90, 12, 33], [1, 12, 1], 8, 2, 128, 16, dtype, seed=5)
+    check_against_reference(batch, dtype)
+
+
+def test_short_contexts_use_one_split():
+    assert choose_num_splits(1, 8, 256, num_sms=132) == 1
+    assert choose_num_splits(1, 8, 4096, num_sms=132) > 1
+    assert choose_num_splits(256, 8, 4096, num_sms=132) == 1  # the batch already fills the GPU

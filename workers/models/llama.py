@@ -1,0 +1,211 @@
+"""Llama-family decoders: Llama, Mistral, Qwen2 and Qwen3 in one implementation.
+
+The families differ only in small switches (DecoderFlavor): Qwen2 adds q/k/v biases, Qwen3
+normalizes each query and key head before rotary and may set a head_dim other than
+hidden / heads. Module and parameter names follow the HF checkpoints, except that q/k/v_proj
+are fused into qkv_proj and gate/up_proj into gate_up_proj.
+"""
+
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from transformers import PretrainedConfig
+
+from workers.attention.metadata import AttentionMetadata
+from workers.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from workers.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+    copy_shard,
+)
+from workers.layers.norm import RMSNorm
+from workers.layers.parallel import TensorParallelGroup
+from workers.layers.rotary import RotaryEmbedding, apply_rotary
+
+# (fused parameter, checkpoint name, shard id): checkpoint tensors that load into a slice
+STACKED_PARAMS = (
+    (".qkv_proj.", ".q_proj.", "q"),
+    (".qkv_proj.", ".k_proj.", "k"),
+    (".qkv_proj.", ".v_proj.", "v"),
+    (".gate_up_proj.", ".gate_proj.", 0),
+    (".gate_up_proj.", ".up_proj.", 1),
+)
+
+
+@dataclass(frozen=True)
+class DecoderFlavor:
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+
+    @classmethod
+    def of(cls, config: PretrainedConfig) -> "DecoderFlavor":
+        attention_bias = getattr(config, "attention_bias", False)
+        return cls(
+            qkv_bias=attention_bias or config.model_type == "qwen2",
+            o_bias=attention_bias,
+            mlp_bias=getattr(config, "mlp_bias", False),
+            qk_norm=config.model_type == "qwen3",
+        )
+
+
+def head_dim_of(config: PretrainedConfig) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def kv_cache_shape_per_layer(config: PretrainedConfig, tp_size: int) -> tuple[int, int]:
+    """(num_local_kv_heads, head_dim) of one layer's cache on one rank; see QKVParallelLinear."""
+    return max(1, config.num_key_value_heads // tp_size), head_dim_of(config)
+
+
+def num_layers(config: PretrainedConfig) -> int:
+    return config.num_hidden_layers
+
+
+def check_supported(config: PretrainedConfig) -> None:
+    window = getattr(config, "sliding_window", None)
+    if window is not None and window < config.max_position_embeddings:
+        raise NotImplementedError(
+            f"sliding-window attention is not supported (sliding_window={window} < "
+            f"max_position_embeddings={config.max_position_embeddings})"
+        )
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config, tp: TensorParallelGroup, backend, flavor: DecoderFlavor):
+        super().__init__()
+        self.backend = backend
+        self.head_dim = head_dim_of(config)
+        self.scale = self.head_dim**-0.5
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size, self.head_dim, config.num_attention_heads,
+            config.num_key_value_heads, tp, bias=flavor.qkv_bias,
+        )  # fmt: skip
+        self.o_proj = RowParallelLinear(
+            config.num_attention_heads * self.head_dim, config.hidden_size, tp, bias=flavor.o_bias
+        )
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if flavor.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if flavor.qk_norm else None
+
+    def forward(self, hidden, cos, sin, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden)  # (T, (local_heads + 2 * local_kv_heads) * head_dim)
+        sizes = [self.qkv_proj.q_size, self.qkv_proj.kv_size, self.qkv_proj.kv_size]
+        q, k, v = qkv.split(sizes, dim=-1)
+        q = q.view(-1, self.qkv_proj.num_local_heads, self.head_dim)  # (T, heads, head_dim)
+        k = k.view(-1, self.qkv_proj.num_local_kv_heads, self.head_dim)  # (T, kv_heads, head_dim)
+        v = v.view(-1, self.qkv_proj.num_local_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = self.backend.forward(q, k, v, k_cache, v_cache, meta, scale=self.scale)
+        return self.o_proj(out.flatten(1))  # (T, heads, head_dim) → (T, hidden)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config, tp: TensorParallelGroup, flavor: DecoderFlavor):
+        super().__init__()
+        size = config.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(
+            config.hidden_size, [size, size], tp, flavor.mlp_bias
+        )
+        self.down_proj = RowParallelLinear(size, config.hidden_size, tp, flavor.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # each (T, local_intermediate)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config, tp: TensorParallelGroup, backend, flavor: DecoderFlavor):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config, tp, backend, flavor)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = LlamaMLP(config, tp, flavor)
+
+    def forward(self, hidden, cos, sin, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+        attn_out = self.self_attn(self.input_layernorm(hidden), cos, sin, k_cache, v_cache, meta)
+        hidden = hidden + attn_out
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config, tp: TensorParallelGroup, backend, flavor: DecoderFlavor):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, tp, backend, flavor) for _ in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(config, head_dim_of(config))
+
+    def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)  # (T, hidden)
+        cos, sin = self.rotary_emb(positions, hidden.dtype)  # (T, head_dim) each
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
+            hidden = layer(hidden, cos, sin, k_cache, v_cache, meta)
+        return self.norm(hidden)
+
+
+def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+    copy_shard(param.data, loaded)
+
+
+def required_shards(name: str) -> set:
+    shards = {shard_id for fused, _, shard_id in STACKED_PARAMS if fused in name}
+    return shards or {None}
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: PretrainedConfig, tp: TensorParallelGroup, backend):
+        super().__init__()
+        check_supported(config)
+        self.config = config
+        self.tie_word_embeddings = getattr(config, "tie_word_embeddings", False)
+        self.model = LlamaModel(config, tp, backend, DecoderFlavor.of(config))
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp)
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # (T,)
+        positions: torch.Tensor,  # (T,)
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer (k_cache, v_cache)
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Final normed hidden states, (T, hidden); pick the rows to sample, then compute_logits."""
+        return self.model(input_ids, positions, kv_caches, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(N, hidden) → (N, vocab_size) over the full vocabulary, on every rank."""
+        return self.lm_head.compute_logits(hidden)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Loads HF-named checkpoint tensors, each parameter slicing out its own shard."""
+        # a tied lm_head.weight is listed once, under the embedding's name
+        params = dict(self.named_parameters())
+        loaded: dict[str, set] = defaultdict(set)
+        for name, tensor in weights:
+            if "rotary_emb." in name or (self.tie_word_embeddings and name == "lm_head.weight"):
+                continue  # recomputed from the config / the same tensor as the embedding
+            shard_id = None
+            for fused, original, stacked_shard in STACKED_PARAMS:
+                if original in name:
+                    name, shard_id = name.replace(original, fused), stacked_shard
+                    break
+            if name not in params:
+                model_name = type(self).__name__
+                raise ValueError(f"checkpoint tensor {name!r} matches no parameter of {model_name}")
+            param = params[name]
+            getattr(param, "weight_loader", default_weight_loader)(param, tensor, shard_id)
+            loaded[name].add(shard_id)
+        missing = [name for name in params if loaded[name] != required_shards(name)]
+        if missing:
+            raise ValueError(f"checkpoint is missing parameters: {', '.join(missing)}")

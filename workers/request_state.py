@@ -1,0 +1,56 @@
+"""What a worker remembers of each request between steps."""
+
+from dataclasses import dataclass
+
+import torch
+
+from workers.sampler import SamplingSpec, make_generator
+from workers.step_input import NewRequest, ScheduledRequest
+
+
+@dataclass
+class RequestState:
+    token_ids: list[int]
+    num_prompt_tokens: int
+    block_ids: list[int]
+    spec: SamplingSpec
+    generator: torch.Generator | None
+
+    @classmethod
+    def from_new(cls, request: NewRequest, device: torch.device) -> "RequestState":
+        seed = request.spec.seed
+        generator = None if seed is None else make_generator(seed, device)
+        return cls(
+            list(request.token_ids), request.num_prompt_tokens, list(request.block_ids),
+            request.spec, generator,
+        )
+
+    def apply(self, delta: ScheduledRequest) -> None:
+        self.token_ids.extend(delta.new_token_ids)
+        self.block_ids.extend(delta.new_block_ids)
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    def generator_for_next_token(self) -> torch.Generator | None:
+        """The seeded generator, reseeded from (seed, output index).
+
+        Tying the noise to the token's index rather than to a stream that runs across steps
+        keeps a seeded request reproducible even when it is preempted and recomputed.
+        """
+        if self.generator is None or self.spec.seed is None:
+            return None
+        return self.generator.manual_seed(hash_seed(self.spec.seed, len(self.output_token_ids)))
+
+
+def hash_seed(seed: int, index: int) -> int:
+    # a fixed 64-bit mix (splitmix64), the same in every process
+    z = (seed * 0x9E3779B97F4A7C15 + index + 1) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return (z ^ (z >> 31)) & 0x7FFFFFFFFFFFFFFF

@@ -1,0 +1,152 @@
+"""One shard of a model on one device: weights, paged KV cache, and the step that runs them.
+
+The same class runs in the engine's process (one device) and inside a Ray actor per GPU
+(tensor parallel); only the ``TensorParallelGroup`` it is given differs.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from workers.attention.reference import ReferenceAttentionBackend
+from workers.input_batch import build_input_batch
+from workers.kv_cache import KVCaches, allocate_kv_caches, kv_bytes_per_block
+from workers.layers.parallel import TensorParallelGroup
+from workers.loader import load_model
+from workers.request_state import RequestState
+from workers.sampler import Sampler, SamplingSpec
+from workers.step_input import NewRequest, ScheduledRequest, StepInput, StepOutput
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    model_path: str
+    device: str = "cpu"
+    dtype: str = "auto"  # auto: float32 on the CPU, bfloat16 on a GPU
+    block_size: int = 16
+    attention_backend: str = "auto"  # auto | reference | triton
+    cpu_kv_cache_bytes: int = 1 << 30  # KV budget on the CPU, where free memory is not probed
+    gpu_memory_utilization: float = 0.9
+    max_num_batched_tokens: int = 2048  # sizes the activation probe on a GPU
+    seed: int = 0
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.float32 if self.device == "cpu" else torch.bfloat16
+        if self.dtype not in DTYPES:
+            raise ValueError(f"unsupported dtype '{self.dtype}' (choose from auto, "
+                             f"{', '.join(DTYPES)})")
+        return DTYPES[self.dtype]
+
+
+def make_attention_backend(name: str, device: torch.device):
+    if name == "auto":
+        name = "triton" if device.type == "cuda" else "reference"
+    if name == "reference":
+        return ReferenceAttentionBackend()
+    if name == "triton":
+        from workers.attention.triton_backend import TritonAttentionBackend
+
+        return TritonAttentionBackend()
+    raise ValueError(f"unknown attention backend '{name}' (choose from auto, reference, triton)")
+
+
+class Worker:
+    def __init__(self, config: WorkerConfig, tp: TensorParallelGroup | None = None) -> None:
+        self.config = config
+        self.tp = tp or TensorParallelGroup.single()
+        self.device = torch.device(config.device)
+        self.dtype = config.torch_dtype
+        backend = make_attention_backend(config.attention_backend, self.device)
+        self.model, self.hf_config = load_model(
+            config.model_path, self.dtype, self.device, self.tp, backend
+        )
+        generator = torch.Generator(device=self.device).manual_seed(config.seed)
+        self.sampler = Sampler(generator)
+        self.states: dict[str, RequestState] = {}
+        self.kv_caches: KVCaches = []
+
+    @property
+    def is_driver(self) -> bool:
+        return self.tp.rank == 0
+
+    def determine_num_kv_blocks(self) -> int:
+        """How many KV blocks fit: a fixed budget on the CPU, free memory on a GPU."""
+        block_bytes = kv_bytes_per_block(
+            self.hf_config, self.tp.size, self.config.block_size, self.dtype
+        )
+        if self.device.type != "cuda":
+            return max(1, self.config.cpu_kv_cache_bytes // block_bytes)
+        torch.cuda.synchronize(self.device)
+        free, total = torch.cuda.mem_get_info(self.device)
+        reserve = self._activation_bytes() + (1 << 30)  # graphs, allocator slack
+        usable = free - total * (1 - self.config.gpu_memory_utilization) - reserve
+        return max(1, int(usable) // block_bytes)
+
+    def _activation_bytes(self) -> int:
+        """Peak memory of a forward over a full token budget, measured once."""
+        num_tokens = self.config.max_num_batched_tokens
+        block_size = self.config.block_size
+        num_blocks = -(-num_tokens // block_size)
+        self.init_kv_cache(num_blocks)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        probe = NewRequest("probe", [0] * num_tokens, num_tokens, list(range(num_blocks)),
+                           SamplingSpec(temperature=0.0))
+        self.execute(StepInput([probe], [ScheduledRequest("probe", 0, num_tokens)], []))
+        self.states.clear()
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - before
+        self.kv_caches = []
+        torch.cuda.empty_cache()
+        return peak
+
+    def init_kv_cache(self, num_blocks: int) -> None:
+        self.kv_caches = allocate_kv_caches(
+            self.hf_config, self.tp.size, num_blocks, self.config.block_size, self.dtype,
+            self.device,
+        )
+
+    @torch.inference_mode()
+    def execute(self, step: StepInput) -> StepOutput | None:
+        """Runs one step; the driver (rank 0) returns the sampled tokens, others None."""
+        for request_id in step.released_ids:
+            self.states.pop(request_id, None)
+        for request in step.new_requests:
+            self.states[request.request_id] = RequestState.from_new(request, self.device)
+        for item in step.scheduled:
+            self.states[item.request_id].apply(item)
+        if not step.scheduled:
+            return StepOutput([], []) if self.is_driver else None
+        batch = build_input_batch(step.scheduled, self.states, self.config.block_size,
+                                  self.device)
+        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
+        if not batch.sample_request_ids:
+            return StepOutput([], []) if self.is_driver else None
+        logits = self.model.compute_logits(hidden[batch.sample_indices])
+        if not self.is_driver:
+            return None
+        return self._sample(batch.sample_request_ids, logits)
+
+    def _sample(self, request_ids: list[str], logits: torch.Tensor) -> StepOutput:
+        states = [self.states[request_id] for request_id in request_ids]
+        out = self.sampler(
+            logits,
+            [state.spec for state in states],
+            [state.prompt_token_ids for state in states],
+            [state.output_token_ids for state in states],
+            [state.generator_for_next_token() for state in states],
+        )
+        token_ids = out.token_ids.tolist()  # the one device-to-host read of the step
+        if out.logprobs is None:
+            return StepOutput(request_ids, token_ids)
+        values, ids, ranks = out.logprobs.tolist(), out.logprob_token_ids.tolist(), out.ranks
+        logprobs = [
+            list(zip(row_ids[: 1 + (state.spec.logprobs or 0)],
+                     row_values[: 1 + (state.spec.logprobs or 0)], strict=True))
+            for state, row_ids, row_values in zip(states, ids, values, strict=True)
+        ]
+        return StepOutput(request_ids, token_ids, logprobs, ranks.tolist())
