@@ -1,0 +1,68 @@
+"""One tensor-parallel shard of a replica, in its own Ray actor (one per GPU or CPU worker)."""
+
+import os
+import socket
+from datetime import timedelta
+
+import ray
+import torch
+import torch.distributed as dist
+
+from workers.layers.parallel import TensorParallelGroup
+from workers.step_input import StepInput, StepOutput
+from workers.worker import Worker, WorkerConfig
+
+# Ray must not restart a shard on its own: a restarted shard has lost its process group and its
+# KV cache, so the replica that owns it fails its requests and rebuilds every shard instead.
+SHARD_ACTOR_OPTIONS = {"max_restarts": 0, "max_task_retries": 0}
+
+
+def free_address() -> str:
+    """host:port of a port that is free right now on this node (no fixed ports)."""
+    host = ray.util.get_node_ip_address()
+    with socket.socket() as sock:
+        sock.bind(("", 0))
+        return f"{host}:{sock.getsockname()[1]}"
+
+
+class ShardActor:
+    """Made a Ray actor with ``ray.remote(ShardActor)`` at run time: a class left undecorated
+    in its module pickles by reference, so actors import it rather than receive its code."""
+
+    def __init__(self, config: WorkerConfig, rank: int, world_size: int) -> None:
+        self.config, self.rank, self.world_size = config, rank, world_size
+        if config.device == "cpu":
+            torch.set_num_threads(max(1, int(os.environ.get("TANDEM_CPU_THREADS", "1"))))
+        self.worker: Worker | None = None
+
+    def rendezvous_address(self) -> str:
+        return free_address()
+
+    def init_worker(self, address: str) -> None:
+        """Joins the replica's process group, then loads this rank's shard of the weights."""
+        tp = TensorParallelGroup.single()
+        if self.world_size > 1:
+            on_gpu = self.config.device.startswith("cuda")
+            if on_gpu:
+                torch.cuda.set_device(0)  # Ray exposes exactly one GPU to this actor
+            dist.init_process_group(
+                "nccl" if on_gpu else "gloo", init_method=f"tcp://{address}",
+                rank=self.rank, world_size=self.world_size, timeout=timedelta(minutes=5),
+            )
+            tp = TensorParallelGroup.from_process_group()
+        self.worker = Worker(self.config, tp)
+
+    def determine_num_kv_blocks(self) -> int:
+        assert self.worker is not None
+        return self.worker.determine_num_kv_blocks()
+
+    def init_kv_cache(self, num_blocks: int) -> None:
+        assert self.worker is not None
+        self.worker.init_kv_cache(num_blocks)
+
+    def execute(self, step: StepInput) -> StepOutput | None:
+        assert self.worker is not None
+        return self.worker.execute(step)
+
+    def pid(self) -> int:
+        return os.getpid()
