@@ -12,8 +12,9 @@ from pathlib import Path
 from cluster.config import EngineConfig
 from cluster.executor import Executor, UniExecutor
 from cluster.output_processor import (
-    RequestTracker, add_token, finish_completion, make_tracker,
+    CompletionTracker, RequestTracker, add_token, finish_completion, make_tracker,
 )
+from cluster.metrics import EngineMetrics, MetricsSnapshot
 from cluster.outputs import EngineStats, RequestOutput
 from cluster.step_builder import StepBuilder
 from cluster.tokenizer import Message, apply_chat_template, eos_token_ids, load_tokenizer
@@ -71,6 +72,7 @@ class LLMEngine:
         self.requests: dict[str, RequestTracker] = {}
         self.seq_to_request: dict[str, str] = {}
         self._ids = itertools.count()
+        self.metrics = EngineMetrics()
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -129,6 +131,7 @@ class LLMEngine:
             if seq is not None:
                 finish_completion(completion, seq)
             self.seq_to_request.pop(seq_id, None)
+        self.metrics.on_finish("abort", time.monotonic() - tracker.metrics.arrival_time)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -142,6 +145,8 @@ class LLMEngine:
         result = self.executor.execute(self.step_builder.build(scheduled))
         sampled = {rid: [token] for rid, token in zip(result.request_ids, result.token_ids,
                                                        strict=True)}
+        scheduled_seqs = {item.seq.request_id: item.seq for item in scheduled.scheduled}
+        self.metrics.batch_size = len(scheduled_seqs)
         finished = {seq.request_id: seq for seq in self.scheduler.update(scheduled, sampled)}
         now = time.monotonic()
         touched: dict[str, RequestTracker] = {}
@@ -151,10 +156,9 @@ class LLMEngine:
                 continue  # aborted while its step ran
             tracker = self.requests[request_id]
             touched[request_id] = tracker
-            if tracker.metrics.first_token_time is None:
-                tracker.metrics.first_token_time = now
-            logprobs = result.logprobs[row] if result.logprobs is not None else None
             completion = tracker.completions[seq_id]
+            self._record_token(tracker, completion, scheduled_seqs[seq_id], now)
+            logprobs = result.logprobs[row] if result.logprobs is not None else None
             stop = add_token(completion, tracker.params, result.token_ids[row], logprobs)
             if stop is not None and seq_id not in finished:
                 seq = self.scheduler.finish(seq_id, FinishReason.STOP, stop_reason=stop)
@@ -171,11 +175,26 @@ class LLMEngine:
                 self._drop(output.request_id)
         return outputs
 
+    def _record_token(self, tracker: RequestTracker, completion: CompletionTracker,
+                      seq: Sequence, now: float) -> None:
+        self.metrics.generation_tokens += 1
+        if completion.last_token_time is not None:
+            self.metrics.inter_token_latency.observe(now - completion.last_token_time)
+        completion.last_token_time = now
+        if tracker.metrics.first_token_time is None:
+            tracker.metrics.first_token_time = now
+            arrival = tracker.metrics.arrival_time
+            scheduled = seq.first_scheduled_time or arrival
+            self.metrics.on_first_token(len(tracker.prompt_token_ids), now - arrival,
+                                        scheduled - arrival)
+
     def _record_finish(self, tracker: RequestTracker, seq: Sequence, now: float) -> None:
         tracker.metrics.num_cached_tokens = max(seq.num_cached_tokens, 0)
         tracker.metrics.num_preemptions += seq.num_preemptions
         if tracker.finished:
             tracker.metrics.finished_time = now
+            reason = next(iter(tracker.completions.values())).output.finish_reason or "abort"
+            self.metrics.on_finish(reason, now - tracker.metrics.arrival_time)
 
     def _drop(self, request_id: str) -> None:
         tracker = self.requests.pop(request_id)
@@ -189,6 +208,17 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions,
             kv_blocks_used=kv.num_used_blocks, kv_blocks_total=kv.num_blocks,
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+        )
+
+    def metrics_snapshot(self) -> MetricsSnapshot:
+        m, stats = self.metrics, self.stats()
+        return MetricsSnapshot(
+            m.time_to_first_token.copy(), m.inter_token_latency.copy(), m.e2e_latency.copy(),
+            m.queue_time.copy(), m.prompt_tokens, m.generation_tokens,
+            dict(m.finished_requests), stats.num_preemptions, stats.prefix_cache_queries,
+            stats.prefix_cache_hits, stats.num_running, stats.num_waiting, m.batch_size,
+            stats.kv_blocks_used, stats.kv_blocks_total, m.spec_decode_drafts,
+            m.spec_decode_draft_tokens, m.spec_decode_accepted_tokens,
         )
 
     def shutdown(self) -> None:

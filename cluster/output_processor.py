@@ -21,6 +21,7 @@ class CompletionTracker:
     output: CompletionOutput
     detokenizer: IncrementalDetokenizer | None
     full_text: str = ""
+    last_token_time: float | None = None
 
     def visible_text(self, params: SamplingParams) -> str:
         if self.output.finished or not params.stop:

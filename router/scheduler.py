@@ -7,6 +7,7 @@ pool is short, the newest running sequence is preempted by recompute: its blocks
 it waits at the head of the queue to be prefilled again (its generated tokens kept).
 """
 
+import time
 from collections import deque
 from collections.abc import Mapping
 from collections.abc import Sequence as Seq
@@ -120,8 +121,9 @@ class Scheduler:
             self.kv.stats.record(seq.num_tokens, num_cached)
             self.waiting.popleft()
             seq.num_computed_tokens = num_cached
-            if seq.num_cached_tokens < 0:
+            if seq.num_cached_tokens < 0:  # first admission
                 seq.num_cached_tokens = num_cached
+                seq.first_scheduled_time = time.monotonic()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             self._known_to_workers.add(seq.request_id)

@@ -1,0 +1,82 @@
+"""What one engine counts for Prometheus: plain numbers, no registry and no globals.
+
+The engine records into ``EngineMetrics``; ``snapshot()`` copies it into a picklable
+``MetricsSnapshot`` that the HTTP ingress gathers from every replica at scrape time.
+Bucket bounds follow vLLM's.
+"""
+
+import bisect
+from dataclasses import dataclass, field
+
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+               7.5, 10.0, 20.0, 40.0, 80.0)
+LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                   60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+@dataclass
+class Histogram:
+    bounds: tuple[float, ...]
+    counts: list[int] = field(default_factory=list)  # per bucket, the last one is +Inf
+    total: float = 0.0
+    count: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.counts:
+            self.counts = [0] * (len(self.bounds) + 1)
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.total += value
+        self.count += 1
+
+    def copy(self) -> "Histogram":
+        return Histogram(self.bounds, list(self.counts), self.total, self.count)
+
+
+@dataclass
+class MetricsSnapshot:
+    time_to_first_token: Histogram
+    inter_token_latency: Histogram
+    e2e_latency: Histogram
+    queue_time: Histogram
+    prompt_tokens: int
+    generation_tokens: int
+    finished_requests: dict[str, int]  # finish reason -> count
+    preemptions: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_running: int
+    num_waiting: int
+    batch_size: int  # sequences in the last step
+    kv_blocks_used: int
+    kv_blocks_total: int
+    spec_decode_drafts: int = 0
+    spec_decode_draft_tokens: int = 0
+    spec_decode_accepted_tokens: int = 0
+
+
+@dataclass
+class EngineMetrics:
+    time_to_first_token: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS))
+    inter_token_latency: Histogram = field(default_factory=lambda: Histogram(ITL_BUCKETS))
+    e2e_latency: Histogram = field(default_factory=lambda: Histogram(LATENCY_BUCKETS))
+    queue_time: Histogram = field(default_factory=lambda: Histogram(LATENCY_BUCKETS))
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    finished_requests: dict[str, int] = field(default_factory=dict)
+    batch_size: int = 0
+    spec_decode_drafts: int = 0
+    spec_decode_draft_tokens: int = 0
+    spec_decode_accepted_tokens: int = 0
+
+    def on_first_token(self, num_prompt_tokens: int, ttft: float, queue_time: float) -> None:
+        self.prompt_tokens += num_prompt_tokens
+        self.time_to_first_token.observe(ttft)
+        self.queue_time.observe(queue_time)
+
+    def on_finish(self, reason: str, e2e_latency: float) -> None:
+        self.finished_requests[reason] = self.finished_requests.get(reason, 0) + 1
+        self.e2e_latency.observe(e2e_latency)
