@@ -18,10 +18,11 @@ class EngineConfig:
     max_prefill_chunk: int = 0  # tokens of one prompt per step at most; 0: the whole budget
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"  # auto | reference | triton
+    enforce_eager: bool = False  # no CUDA graphs for decode steps
     cpu_kv_cache_gb: float = 1.0
     gpu_memory_utilization: float = 0.9
     tensor_parallel_size: int = 1
-    distributed_executor_backend: str = "uni"  # uni | ray
+    distributed_executor_backend: str = "auto"  # auto (ray when tensor parallel) | uni | ray
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -41,15 +42,21 @@ class EngineConfig:
             (self.cpu_kv_cache_gb > 0, f"cpu_kv_cache_gb must be > 0, got {self.cpu_kv_cache_gb}"),
             (1 <= self.tensor_parallel_size <= 8,
              f"tensor_parallel_size must be in [1, 8], got {self.tensor_parallel_size}"),
-            (self.distributed_executor_backend in ("uni", "ray"),
-             "distributed_executor_backend must be 'uni' or 'ray', "
+            (self.distributed_executor_backend in ("auto", "uni", "ray"),
+             "distributed_executor_backend must be 'auto', 'uni' or 'ray', "
              f"got '{self.distributed_executor_backend}'"),
-            (self.tensor_parallel_size == 1 or self.distributed_executor_backend == "ray",
+            (self.tensor_parallel_size == 1 or self.distributed_executor_backend != "uni",
              "tensor_parallel_size > 1 needs distributed_executor_backend='ray'"),
         ]
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+
+    @property
+    def executor_backend(self) -> str:
+        if self.distributed_executor_backend != "auto":
+            return self.distributed_executor_backend
+        return "ray" if self.tensor_parallel_size > 1 else "uni"
 
     @property
     def resolved_device(self) -> str:

@@ -36,11 +36,12 @@ def worker_config(config: EngineConfig, folder: Path) -> WorkerConfig:
         cpu_kv_cache_bytes=int(config.cpu_kv_cache_gb * (1 << 30)),
         gpu_memory_utilization=config.gpu_memory_utilization,
         max_num_batched_tokens=config.max_num_batched_tokens, seed=config.seed,
+        max_num_seqs=config.max_num_seqs, enforce_eager=config.enforce_eager,
     )
 
 
 def make_executor(config: EngineConfig, folder: Path) -> Executor:
-    if config.distributed_executor_backend == "ray":
+    if config.executor_backend == "ray":
         from cluster.ray_executor import RayExecutor
 
         return RayExecutor(worker_config(config, folder), config.tensor_parallel_size)
@@ -94,7 +95,7 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request id '{request_id}' is already in use")
         prompt_ids = self.tokenize(prompt)
-        self._check_prompt(prompt_ids)
+        self.check_prompt(prompt_ids)
         seq_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
         text = prompt if isinstance(prompt, str) else None
         tracker = make_tracker(request_id, text, prompt_ids, params, seq_ids, self.tokenizer)
@@ -108,7 +109,7 @@ class LLMEngine:
                                         arrival_time=tracker.metrics.arrival_time))
         return request_id
 
-    def _check_prompt(self, prompt_ids: list[int]) -> None:
+    def check_prompt(self, prompt_ids: list[int]) -> None:
         if not prompt_ids:
             raise ValueError("prompt is empty")
         bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]

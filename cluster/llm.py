@@ -41,7 +41,7 @@ class LLM:
         # tokenize and check everything first: one bad prompt rejects the batch, changing nothing
         token_lists = [self.engine.tokenize(p) for p in prompt_list]
         for token_ids in token_lists:
-            self.engine._check_prompt(token_ids)
+            self.engine.check_prompt(token_ids)
         request_ids = [
             self.engine.add_request(p, sp) for p, sp in zip(prompt_list, params_list, strict=True)
         ]

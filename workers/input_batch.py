@@ -1,8 +1,14 @@
-"""Turns the scheduled sequences of one step into the flat tensors the model runs on."""
+"""Turns the scheduled sequences of one step into the flat tensors the model runs on.
+
+Inputs are built as numpy arrays on the host, packed into two buffers (int64 and int32) and
+sent with one copy each: from pinned memory with ``non_blocking`` on a GPU, so building a step
+never waits for the device.
+"""
 
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from workers.attention.metadata import AttentionMetadata
@@ -19,52 +25,112 @@ class InputBatch:
     sample_indices: torch.Tensor  # (S,) row of each one's last token in the flat batch
 
 
+@dataclass
+class DecodeRows:
+    """Host arrays of a pure-decode step: one new token per sequence, and every one samples."""
+
+    request_ids: list[str]
+    input_ids: np.ndarray  # (B,) int64
+    positions: np.ndarray  # (B,) int64
+    slots: np.ndarray  # (B,) int64
+    block_tables: np.ndarray  # (B, max_blocks) int32, padded with 0
+
+    @property
+    def seq_lens(self) -> np.ndarray:  # (B,) context after this step
+        return self.positions + 1
+
+
+def block_table_array(block_ids: Sequence[list[int]]) -> np.ndarray:
+    """(B, max_blocks) int32, each row padded with 0."""
+    width = max(len(ids) for ids in block_ids)
+    table = np.zeros((len(block_ids), width), dtype=np.int32)
+    for row, ids in enumerate(block_ids):
+        table[row, : len(ids)] = ids
+    return table
+
+
+def slots_of(table: np.ndarray, rows: np.ndarray, positions: np.ndarray,
+             block_size: int) -> np.ndarray:
+    """Cache slot of each token: row ``pos % block_size`` of block ``table[row, pos // bs]``."""
+    blocks = table[rows, positions // block_size].astype(np.int64)
+    return blocks * block_size + positions % block_size
+
+
+def build_decode_rows(
+    scheduled: Sequence[ScheduledRequest], states: dict[str, RequestState], block_size: int
+) -> DecodeRows | None:
+    """The step as DecodeRows, or None when it is not pure decode (a prefill chunk, or a
+    sequence that does not sample)."""
+    request_ids, tokens, positions, block_ids = [], [], [], []
+    for item in scheduled:
+        state = states[item.request_id]
+        if item.num_new_tokens != 1 or item.num_computed_tokens + 1 != len(state.token_ids):
+            return None
+        request_ids.append(item.request_id)
+        tokens.append(state.token_ids[-1])
+        positions.append(item.num_computed_tokens)
+        block_ids.append(state.block_ids)
+    if not request_ids:
+        return None
+    table = block_table_array(block_ids)
+    pos = np.array(positions, dtype=np.int64)
+    slots = slots_of(table, np.arange(len(pos)), pos, block_size)
+    return DecodeRows(request_ids, np.array(tokens, dtype=np.int64), pos, slots, table)
+
+
+def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """One host-to-device copy; through pinned memory on a GPU, so it does not block."""
+    tensor = torch.from_numpy(array)
+    if device.type != "cuda":
+        return tensor
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
 def build_input_batch(
     scheduled: Sequence[ScheduledRequest],
     states: dict[str, RequestState],
     block_size: int,
     device: torch.device,
 ) -> InputBatch:
+    query_lens = np.array([item.num_new_tokens for item in scheduled], dtype=np.int64)
+    starts = np.array([item.num_computed_tokens for item in scheduled], dtype=np.int64)
+    seq_lens = starts + query_lens
+    query_start_loc = np.zeros(len(scheduled) + 1, dtype=np.int64)
+    np.cumsum(query_lens, out=query_start_loc[1:])
+    num_tokens = int(query_start_loc[-1])
+
     input_ids: list[int] = []
-    positions: list[int] = []
-    slots: list[int] = []
-    query_lens: list[int] = []
-    seq_lens: list[int] = []
     sample_ids: list[str] = []
     sample_rows: list[int] = []
-    for item in scheduled:
-        state = states[item.request_id]
-        start, end = item.num_computed_tokens, item.num_computed_tokens + item.num_new_tokens
-        input_ids += state.token_ids[start:end]
-        positions += range(start, end)
-        slots += [state.block_ids[p // block_size] * block_size + p % block_size
-                  for p in range(start, end)]
-        query_lens.append(item.num_new_tokens)
-        seq_lens.append(end)
-        if end == len(state.token_ids):  # caught up: the last token's logits are sampled
+    for i, item in enumerate(scheduled):
+        token_ids = states[item.request_id].token_ids
+        input_ids += token_ids[starts[i] : seq_lens[i]]
+        if seq_lens[i] == len(token_ids):  # caught up: the last token's logits are sampled
             sample_ids.append(item.request_id)
-            sample_rows.append(len(input_ids) - 1)
-    max_blocks = max(len(states[item.request_id].block_ids) for item in scheduled)
-    block_tables = [states[item.request_id].block_ids + [0] * (
-        max_blocks - len(states[item.request_id].block_ids)) for item in scheduled]
-    query_start_loc = [0]
-    for q_len in query_lens:
-        query_start_loc.append(query_start_loc[-1] + q_len)
+            sample_rows.append(int(query_start_loc[i + 1]) - 1)
+    rows = np.repeat(np.arange(len(scheduled)), query_lens)  # (T,) sequence of each token
+    positions = np.arange(num_tokens) - query_start_loc[rows] + starts[rows]
+    table = block_table_array([states[item.request_id].block_ids for item in scheduled])
+    slots = slots_of(table, rows, positions, block_size)
 
-    def tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
-
+    # (T ids | T positions | T slots | S sample rows) and (B+1 starts | B seq lens | B x W table)
+    packed64 = to_device(np.concatenate(
+        [np.array(input_ids, dtype=np.int64), positions, slots,
+         np.array(sample_rows, dtype=np.int64)]), device)
+    packed32 = to_device(np.concatenate(
+        [query_start_loc, seq_lens, table.ravel()]).astype(np.int32), device)
+    num_seqs = len(scheduled)
+    ids, pos, slot, sample = packed64.split([num_tokens, num_tokens, num_tokens,
+                                             len(sample_rows)])
+    qsl, lens, flat_table = packed32.split([num_seqs + 1, num_seqs, table.size])
     meta = AttentionMetadata(
-        slot_mapping=tensor(slots, torch.int64),
-        query_start_loc=tensor(query_start_loc, torch.int32),
-        seq_lens=tensor(seq_lens, torch.int32),
-        block_tables=tensor(block_tables, torch.int32),
-        max_query_len=max(query_lens),
-        max_seq_len=max(seq_lens),
-        query_lens_cpu=query_lens,
-        seq_lens_cpu=seq_lens,
+        slot_mapping=slot,
+        query_start_loc=qsl,
+        seq_lens=lens,
+        block_tables=flat_table.view(table.shape),
+        max_query_len=int(query_lens.max()),
+        max_seq_len=int(seq_lens.max()),
+        query_lens_cpu=query_lens.tolist(),
+        seq_lens_cpu=seq_lens.tolist(),
     )
-    return InputBatch(
-        tensor(input_ids, torch.int64), tensor(positions, torch.int64), meta,
-        sample_ids, tensor(sample_rows, torch.int64),
-    )
+    return InputBatch(ids, pos, meta, sample_ids, sample)

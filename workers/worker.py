@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from workers.attention.reference import ReferenceAttentionBackend
-from workers.input_batch import build_input_batch
+from workers.input_batch import build_decode_rows, build_input_batch
 from workers.kv_cache import KVCaches, allocate_kv_caches, kv_bytes_per_block
 from workers.layers.parallel import TensorParallelGroup
 from workers.loader import load_model
@@ -30,6 +30,8 @@ class WorkerConfig:
     cpu_kv_cache_bytes: int = 1 << 30  # KV budget on the CPU, where free memory is not probed
     gpu_memory_utilization: float = 0.9
     max_num_batched_tokens: int = 2048  # sizes the activation probe on a GPU
+    max_num_seqs: int = 256  # the largest decode batch a CUDA graph is captured for
+    enforce_eager: bool = False  # no CUDA graphs: every step runs eagerly
     seed: int = 0
 
     @property
@@ -68,6 +70,9 @@ class Worker:
         self.sampler = Sampler(generator)
         self.states: dict[str, RequestState] = {}
         self.kv_caches: KVCaches = []
+        self.graphs = None  # DecodeGraphs once captured (GPU, Triton, one rank)
+        self.uses_graphs = (self.device.type == "cuda" and not config.enforce_eager
+                            and backend.name == "triton" and self.tp.size == 1)
 
     @property
     def is_driver(self) -> bool:
@@ -91,7 +96,7 @@ class Worker:
         num_tokens = self.config.max_num_batched_tokens
         block_size = self.config.block_size
         num_blocks = -(-num_tokens // block_size)
-        self.init_kv_cache(num_blocks)
+        self._allocate_kv_cache(num_blocks)
         torch.cuda.reset_peak_memory_stats(self.device)
         before = torch.cuda.memory_allocated(self.device)
         probe = NewRequest("probe", [0] * num_tokens, num_tokens, list(range(num_blocks)),
@@ -105,6 +110,19 @@ class Worker:
         return peak
 
     def init_kv_cache(self, num_blocks: int) -> None:
+        """Allocates the cache, then captures the decode graphs that read it."""
+        self._allocate_kv_cache(num_blocks)
+        if self.uses_graphs:
+            from workers.cuda_graphs import DecodeGraphs
+
+            max_model_len = min(self.hf_config.max_position_embeddings,
+                                num_blocks * self.config.block_size)
+            self.graphs = DecodeGraphs(self.model, self.kv_caches, self.config.max_num_seqs,
+                                       max_model_len, self.config.block_size, self.device)
+            self.graphs.capture()
+
+    def _allocate_kv_cache(self, num_blocks: int) -> None:
+        self.graphs = None  # graphs hold the old cache's addresses
         self.kv_caches = allocate_kv_caches(
             self.hf_config, self.tp.size, num_blocks, self.config.block_size, self.dtype,
             self.device,
@@ -121,6 +139,11 @@ class Worker:
             self.states[item.request_id].apply(item)
         if not step.scheduled:
             return StepOutput([], []) if self.is_driver else None
+        if self.graphs is not None:
+            rows = build_decode_rows(step.scheduled, self.states, self.config.block_size)
+            hidden = self.graphs.run(rows) if rows is not None else None
+            if hidden is not None:
+                return self._sample(rows.request_ids, self.model.compute_logits(hidden))
         batch = build_input_batch(step.scheduled, self.states, self.config.block_size,
                                   self.device)
         hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)

@@ -27,6 +27,8 @@ class AttentionMetadata:
     # host copies, so the reference backend never syncs with the device to read lengths
     query_lens_cpu: list[int]
     seq_lens_cpu: list[int]
+    # a CUDA graph fixes the decode kernel's split count at capture (max_seq_len then varies)
+    decode_num_splits: int | None = None
 
     @property
     def num_seqs(self) -> int:

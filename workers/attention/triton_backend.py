@@ -34,7 +34,7 @@ class TritonAttentionBackend:
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         if meta.is_pure_decode:
             assert q.shape[0] == meta.num_seqs, "decode expects one query row per sequence"
-            num_splits = choose_num_splits(
+            num_splits = meta.decode_num_splits or choose_num_splits(
                 meta.num_seqs, k_cache.shape[2], meta.max_seq_len, num_sms(q.device)
             )
             return decode_attention(

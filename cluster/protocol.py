@@ -1,0 +1,224 @@
+"""The OpenAI-compatible HTTP protocol: request and response bodies as pydantic models.
+
+Pydantic checks shapes and types only. Ranges are checked once, by ``SamplingParams``, so an
+out-of-range value gets the same message over HTTP as in the offline API.
+"""
+
+import time
+import uuid
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from router.sampling_params import SamplingParams
+
+Prompt = str | list[int] | list[str] | list[list[int]]
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = Field(False, description="Send a final chunk carrying `usage`.")
+
+
+class SamplingFields(BaseModel):
+    """Fields shared by completions and chat completions."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = Field(None, description="The served model's name (see /v1/models).")
+    temperature: float = Field(1.0, description="0 is greedy; higher is more random.")
+    top_p: float = Field(1.0, description="Nucleus sampling: keep the top tokens of this mass.")
+    top_k: int = Field(0, description="Keep the k most likely tokens; 0 or -1 keeps all.")
+    min_p: float = Field(0.0, description="Drop tokens less likely than min_p x the top one.")
+    presence_penalty: float = Field(0.0, description="In [-2, 2]: penalize seen tokens once.")
+    frequency_penalty: float = Field(0.0, description="In [-2, 2]: penalize by count seen.")
+    repetition_penalty: float = Field(1.0, description="> 0; above 1 discourages repeats.")
+    seed: int | None = Field(None, description="Makes sampling reproducible.")
+    stop: str | list[str] | None = Field(None, description="Strings that end generation; "
+                                         "they are not included in the output.")
+    stop_token_ids: list[int] | None = Field(None, description="Token ids that end generation.")
+    n: int = Field(1, description="Completions to generate for each prompt.")
+    ignore_eos: bool = Field(False, description="Keep generating past end-of-sequence tokens.")
+    stream: bool = Field(False, description="Send tokens as server-sent events.")
+    stream_options: StreamOptions | None = Field(None, description="Streaming options.")
+    user: str | None = Field(None, description="An end-user id (recorded, not used).")
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        """Raises ValueError with SamplingParams' message for out-of-range values."""
+        return SamplingParams(
+            n=self.n, max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
+            top_k=self.top_k, min_p=self.min_p, repetition_penalty=self.repetition_penalty,
+            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+            seed=self.seed, stop=self.stop or (), stop_token_ids=self.stop_token_ids or (),
+            ignore_eos=self.ignore_eos, logprobs=logprobs,
+        )
+
+
+class CompletionRequest(SamplingFields):
+    prompt: Prompt = Field(description="A string, a list of token ids, or a list of either.")
+    max_tokens: int | None = Field(16, description="Tokens to generate at most; "
+                                   "null: as many as the context allows.")
+    logprobs: int | None = Field(None, description="Return the top-n logprobs of each token.")
+    echo: bool = Field(False, description="Not supported; must be false.")
+
+
+class TextPart(BaseModel):
+    type: Literal["text"] = Field(description="Only text parts are supported.")
+    text: str = Field(description="The part's text.")
+
+
+class ChatMessage(BaseModel):
+    role: Literal["system", "user", "assistant", "tool", "developer"] = Field(
+        description="Who wrote the message.")
+    content: str | list[TextPart] | None = Field(None, description="The message's text.")
+
+    def as_template_message(self) -> dict[str, str]:
+        content = self.content if isinstance(self.content, str) else "".join(
+            part.text for part in self.content or [])
+        return {"role": "system" if self.role == "developer" else self.role, "content": content}
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(description="The conversation so far.")
+    max_tokens: int | None = Field(None, description="Deprecated alias of "
+                                   "max_completion_tokens.")
+    max_completion_tokens: int | None = Field(None, description="Tokens to generate at most; "
+                                              "null: as many as the context allows.")
+    logprobs: bool = Field(False, description="Return the logprob of each generated token.")
+    top_logprobs: int | None = Field(None, description="With logprobs: the top-n alternatives "
+                                     "at each position, in [0, 20].")
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None \
+            else self.max_tokens
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+# -- responses --------------------------------------------------------------------------------
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+class Usage(BaseModel):
+    prompt_tokens: int = Field(description="Tokens in the prompt(s).")
+    completion_tokens: int = Field(description="Tokens generated, over all choices.")
+    total_tokens: int = Field(description="prompt_tokens + completion_tokens.")
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = Field(None, description="stop, length or abort.")
+    stop_reason: int | str | None = Field(None, description="The stop string or token id.")
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=now)
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob] | None = None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=now)
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage | None = None
+
+
+class DeltaMessage(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=now)
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=now)
+    owned_by: str = "tandem"
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | int | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo

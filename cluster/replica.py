@@ -1,0 +1,158 @@
+"""One replica of the model: an LLMEngine in a Ray actor, stepped by an asyncio loop.
+
+Requests stream their outputs back through a per-request queue. Adds and aborts are applied
+between steps, by the loop, so the engine is only ever touched by one thread at a time while
+a step runs in a worker thread. If a shard dies, every in-flight request fails with a clear
+error and the replica rebuilds its engine (new shard actors, new process group).
+"""
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
+
+from cluster.config import EngineConfig
+from cluster.engine import LLMEngine
+from cluster.metrics import MetricsSnapshot
+from cluster.outputs import EngineStats, RequestOutput
+from cluster.ray_executor import ShardFailure
+from router.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+# Ray restarts a replica whose own process dies; it then builds a fresh engine in __init__.
+REPLICA_ACTOR_OPTIONS = {"max_restarts": 3, "max_task_retries": 0, "num_cpus": 0}
+
+
+class ReplicaFailure(RuntimeError):
+    """The replica lost its engine while the request was in flight."""
+
+
+class ReplicaActor:
+    def __init__(self, config: EngineConfig, replica_id: int = 0) -> None:
+        # shards always run as actors, so a dead shard is seen and the replica survives it
+        self.config = replace(config, distributed_executor_backend="ray")
+        self.replica_id = replica_id
+        self.engine: LLMEngine | None = LLMEngine(self.config)
+        self.dead_reason: str | None = None
+        self.ready = asyncio.Event()  # cleared while the engine is being rebuilt
+        self.ready.set()
+        self.queues: dict[str, asyncio.Queue[RequestOutput | Exception]] = {}
+        self.pending: list[tuple[str, Callable[[], object]]] = []
+        self.wakeup: asyncio.Event | None = None
+        self.loop_task: asyncio.Task[None] | None = None
+
+    def info(self) -> dict[str, object]:
+        engine = self._engine()
+        return {"model_path": str(engine.model_path), "max_model_len": engine.max_model_len}
+
+    async def generate(
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[RequestOutput]:
+        await self.ready.wait()  # a request that arrives during a rebuild waits for it
+        engine = self._engine()
+        engine.check_prompt(prompt_ids)  # refuse bad input before anything is queued
+        if request_id in self.queues:
+            raise ValueError(f"request id '{request_id}' is already in use")
+        queue: asyncio.Queue[RequestOutput | Exception] = asyncio.Queue()
+        self.queues[request_id] = queue
+        self._submit(request_id, lambda: engine.add_request(prompt_ids, params, request_id))
+        finished = False
+        try:
+            while not finished:
+                item = await queue.get()
+                if isinstance(item, Exception):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            self.queues.pop(request_id, None)
+            if not finished:  # the caller went away (or failed): free everything now
+                self._submit(request_id, lambda: self._abort_now(request_id))
+
+    async def abort(self, request_id: str) -> None:
+        self._submit(request_id, lambda: self._abort_now(request_id))
+
+    def _abort_now(self, request_id: str) -> None:
+        if self.engine is not None:
+            self.engine.abort(request_id)
+
+    def _submit(self, request_id: str, operation: Callable[[], object]) -> None:
+        self.pending.append((request_id, operation))
+        if self.loop_task is None:
+            self.wakeup = asyncio.Event()
+            self.loop_task = asyncio.get_running_loop().create_task(self._step_loop())
+        assert self.wakeup is not None
+        self.wakeup.set()
+
+    async def _step_loop(self) -> None:
+        assert self.wakeup is not None
+        while True:
+            if not self.pending and not (self.engine and self.engine.has_unfinished()):
+                self.wakeup.clear()
+                await self.wakeup.wait()
+            self._apply_pending()
+            if self.engine is None or not self.engine.has_unfinished():
+                continue
+            try:
+                outputs = await asyncio.to_thread(self.engine.step)
+            except ShardFailure as error:
+                await self._recover(error)
+                continue
+            for output in outputs:
+                queue = self.queues.get(output.request_id)
+                if queue is not None:
+                    queue.put_nowait(output)
+
+    def _apply_pending(self) -> None:
+        pending, self.pending = self.pending, []
+        for request_id, operation in pending:
+            try:
+                operation()
+            except Exception as error:  # the request's caller learns why
+                queue = self.queues.get(request_id)
+                if queue is not None:
+                    queue.put_nowait(error)
+
+    async def _recover(self, error: ShardFailure) -> None:
+        message = f"replica {self.replica_id} lost a shard and is rebuilding: {error}"
+        log.error(message)
+        for queue in self.queues.values():
+            queue.put_nowait(ReplicaFailure(message))
+        old, self.engine = self.engine, None
+        self.dead_reason = message
+        self.ready.clear()
+        if old is not None:
+            await asyncio.to_thread(old.shutdown)
+        try:
+            self.engine = await asyncio.to_thread(LLMEngine, self.config)
+            self.dead_reason = None
+        except Exception as rebuild_error:
+            self.dead_reason = f"replica {self.replica_id} could not rebuild: {rebuild_error}"
+            log.error(self.dead_reason)
+        finally:
+            self.ready.set()
+
+    def _engine(self) -> LLMEngine:
+        if self.engine is None:
+            raise ReplicaFailure(self.dead_reason or f"replica {self.replica_id} has no engine")
+        return self.engine
+
+    async def check_health(self) -> None:
+        self._engine()
+
+    async def stats(self) -> EngineStats:
+        return self._engine().stats()
+
+    async def metrics(self) -> MetricsSnapshot:
+        return self._engine().metrics_snapshot()
+
+    async def shard_pids(self) -> list[int]:
+        executor = self._engine().executor
+        return await asyncio.to_thread(executor.shard_pids)  # type: ignore[attr-defined]
+
+    async def shutdown(self) -> None:
+        if self.engine is not None:
+            await asyncio.to_thread(self.engine.shutdown)
+            self.engine = None
+            self.dead_reason = f"replica {self.replica_id} was shut down"

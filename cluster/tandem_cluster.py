@@ -1,0 +1,84 @@
+"""A model served by several replicas on a Ray cluster, behind one router.
+
+    cluster = TandemCluster(EngineConfig(model="smollm2-135m-instruct"), num_replicas=2)
+    async for output in cluster.generate(prompt_ids, SamplingParams(max_tokens=32), "req-1"):
+        print(output.text)
+
+Each replica is a ``ReplicaActor`` with its own tensor-parallel shard actors; the
+``RouterActor`` picks the replica for each request. Stopping the iteration early (a client
+that disconnected) aborts the request on its replica, which frees its KV blocks at once.
+"""
+
+from collections.abc import AsyncIterator, Sequence
+
+import ray
+
+from cluster.config import EngineConfig
+from cluster.metrics import MetricsSnapshot
+from cluster.outputs import EngineStats, RequestOutput
+from cluster.replica import REPLICA_ACTOR_OPTIONS, ReplicaActor
+from cluster.router_actor import ROUTER_ACTOR_OPTIONS, RouterActor
+from router.placement import PlacementPolicy
+from router.sampling_params import SamplingParams
+from workers.catalog import resolve_model
+
+
+class TandemCluster:
+    def __init__(self, config: EngineConfig, num_replicas: int = 1,
+                 policy: PlacementPolicy | None = None) -> None:
+        if num_replicas < 1:
+            raise ValueError(f"num_replicas must be at least 1, got {num_replicas}")
+        if not ray.is_initialized():
+            ray.init()
+        resolve_model(config.model)  # pull once here, not in every replica at the same time
+        self.config = config
+        self.replicas = [
+            ray.remote(ReplicaActor).options(**REPLICA_ACTOR_OPTIONS).remote(config, index)
+            for index in range(num_replicas)
+        ]
+        infos = ray.get([replica.info.remote() for replica in self.replicas])
+        self.model_path = resolve_model(str(infos[0]["model_path"]))
+        self.max_model_len = min(int(info["max_model_len"]) for info in infos)  # type: ignore[call-overload]
+        self.router = ray.remote(RouterActor).options(**ROUTER_ACTOR_OPTIONS).remote(
+            num_replicas, policy
+        )
+
+    async def generate(
+        self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str
+    ) -> AsyncIterator[RequestOutput]:
+        index = await self.router.assign.remote(request_id, list(prompt_ids))
+        replica = self.replicas[index]
+        stream = replica.generate.options(num_returns="streaming").remote(
+            request_id, list(prompt_ids), params
+        )
+        finished = False
+        try:
+            async for ref in stream:
+                output: RequestOutput = await ref
+                finished = output.finished
+                yield output
+        finally:
+            if not finished:
+                ray.cancel(stream)
+                await replica.abort.remote(request_id)
+            await self.router.release.remote(request_id)
+
+    async def abort(self, request_id: str) -> None:
+        await self._on_all("abort", request_id)
+
+    async def check_health(self) -> None:
+        await self._on_all("check_health")
+
+    async def stats(self) -> list[EngineStats]:
+        return await self._on_all("stats")
+
+    async def metrics(self) -> list[MetricsSnapshot]:
+        return await self._on_all("metrics")
+
+    async def _on_all(self, method: str, *args: object) -> list:
+        return [await getattr(replica, method).remote(*args) for replica in self.replicas]
+
+    def shutdown(self) -> None:
+        ray.get([replica.shutdown.remote() for replica in self.replicas])
+        for actor in [*self.replicas, self.router]:
+            ray.kill(actor)

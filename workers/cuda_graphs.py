@@ -1,0 +1,177 @@
+"""CUDA graphs for pure-decode steps: captured once per batch-size bucket, replayed each step.
+
+A decode step of a small model is hundreds of short kernels; launched from Python, their
+launch cost exceeds their run time. Replaying a captured graph launches them all at once.
+
+A graph fixes its tensors' addresses and shapes, so each bucket B runs on static input buffers
+of B rows. A batch of n <= B sequences fills the first n rows; the padding rows get slot -1
+(store_kv skips them) and seq_len 0 (decode attention writes zeros), so they touch nothing::
+
+    rows:       [ seq 0 | seq 1 | ... | seq n-1 | pad ... pad ]     (B rows in all)
+    slot:       [  s0   |  s1   | ... |  s_n-1  |  -1 ...  -1 ]
+    seq_len:    [  l0   |  l1   | ... |  l_n-1  |   0 ...   0 ]
+
+The decode kernel's split count is fixed per bucket at capture (chosen for the longest
+context), since ``max_seq_len`` changes every step and the graph cannot follow it.
+Host inputs go through one pinned buffer and one non-blocking copy per step.
+"""
+
+import bisect
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from workers.attention.metadata import AttentionMetadata
+from workers.attention.triton_backend import num_sms
+from workers.attention.triton_decode import choose_num_splits
+from workers.input_batch import DecodeRows
+
+MAX_CAPTURE_SIZE = 256
+NUM_FIELDS = 4  # input_ids, positions, slots, seq_lens; then the block table
+
+
+def capture_sizes(max_num_seqs: int, cap: int = MAX_CAPTURE_SIZE) -> list[int]:
+    """1, 2, 4, 8, then every multiple of 8, up to the first size >= min(max_num_seqs, cap)."""
+    limit = max(1, min(max_num_seqs, cap))
+    sizes = []
+    for size in [1, 2, 4, *range(8, cap + 8, 8)]:
+        sizes.append(size)
+        if size >= limit:
+            break
+    return sizes
+
+
+def bucket_for(num_seqs: int, sizes: list[int]) -> int | None:
+    """The smallest captured size holding num_seqs rows; None when none does."""
+    index = bisect.bisect_left(sizes, num_seqs)
+    return sizes[index] if index < len(sizes) else None
+
+
+def packed_size(bucket: int, width: int) -> int:
+    return NUM_FIELDS * bucket + bucket * width
+
+
+def pack_padded(rows: DecodeRows, bucket: int, out: np.ndarray | None = None) -> np.ndarray:
+    """The step's inputs padded to ``bucket`` rows, as one flat int64 array::
+
+        [ input_ids (B) | positions (B) | slots (B) | seq_lens (B) | block table (B x W) ]
+
+    W is the widest block table of the step. Padding rows: token 0, position 0, slot -1,
+    seq_len 0, blocks 0.
+    """
+    n, width = rows.block_tables.shape
+    size = packed_size(bucket, width)
+    packed = np.empty(size, dtype=np.int64) if out is None else out[:size]
+    fields = packed[: NUM_FIELDS * bucket].reshape(NUM_FIELDS, bucket)
+    fields[:, n:] = 0
+    fields[2, n:] = -1
+    fields[0, :n] = rows.input_ids
+    fields[1, :n] = rows.positions
+    fields[2, :n] = rows.slots
+    fields[3, :n] = rows.seq_lens
+    table = packed[NUM_FIELDS * bucket :].reshape(bucket, width)
+    table[:n] = rows.block_tables
+    table[n:] = 0
+    return packed
+
+
+@dataclass
+class StaticInputs:
+    """The device buffers every graph reads; a bucket of B rows uses the first B."""
+
+    input_ids: torch.Tensor  # (max_B,) int64
+    positions: torch.Tensor  # (max_B,) int64
+    slot_mapping: torch.Tensor  # (max_B,) int64
+    seq_lens: torch.Tensor  # (max_B,) int32
+    block_tables: torch.Tensor  # (max_B, max_blocks) int32
+    query_start_loc: torch.Tensor  # (max_B + 1,) int32: 0, 1, 2, ... (one token a row)
+
+    @classmethod
+    def allocate(cls, max_batch: int, max_blocks: int, device: torch.device) -> "StaticInputs":
+        def zeros(*shape, dtype=torch.int64):
+            return torch.zeros(shape, dtype=dtype, device=device)
+
+        return cls(zeros(max_batch), zeros(max_batch), zeros(max_batch).fill_(-1),
+                   zeros(max_batch, dtype=torch.int32),
+                   zeros(max_batch, max_blocks, dtype=torch.int32),
+                   torch.arange(max_batch + 1, dtype=torch.int32, device=device))
+
+    def load(self, packed: torch.Tensor, bucket: int, width: int) -> None:
+        """Scatter a packed step (on the device) into the first ``bucket`` rows."""
+        fields, table = packed.split([NUM_FIELDS * bucket, bucket * width])
+        fields = fields.view(NUM_FIELDS, bucket)
+        self.input_ids[:bucket].copy_(fields[0])
+        self.positions[:bucket].copy_(fields[1])
+        self.slot_mapping[:bucket].copy_(fields[2])
+        self.seq_lens[:bucket].copy_(fields[3])
+        # columns past `width` keep stale blocks: nothing reads past a row's seq_len
+        self.block_tables[:bucket, :width].copy_(table.view(bucket, width))
+
+    def metadata(self, bucket: int, max_seq_len: int, num_splits: int) -> AttentionMetadata:
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping[:bucket],
+            query_start_loc=self.query_start_loc[: bucket + 1],
+            seq_lens=self.seq_lens[:bucket],
+            block_tables=self.block_tables[:bucket],
+            max_query_len=1,
+            max_seq_len=max_seq_len,
+            query_lens_cpu=[1] * bucket,
+            seq_lens_cpu=[max_seq_len] * bucket,
+            decode_num_splits=num_splits,
+        )
+
+
+class DecodeGraphs:
+    """One captured forward per bucket; ``run`` replays the one that fits a decode step."""
+
+    def __init__(self, model, kv_caches, max_num_seqs: int, max_model_len: int,
+                 block_size: int, device: torch.device) -> None:
+        self.model, self.kv_caches, self.device = model, kv_caches, device
+        self.sizes = capture_sizes(max_num_seqs)
+        self.max_blocks = -(-max_model_len // block_size)
+        self.max_model_len = max_model_len
+        self.inputs = StaticInputs.allocate(self.sizes[-1], self.max_blocks, device)
+        max_packed = packed_size(self.sizes[-1], self.max_blocks)
+        self.host = torch.zeros(max_packed, dtype=torch.int64).pin_memory()
+        self.host_np = self.host.numpy()
+        self.packed = torch.zeros(max_packed, dtype=torch.int64, device=device)
+        self.copied = torch.cuda.Event()  # the pinned buffer is free again once this fires
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+
+    def num_splits(self, bucket: int) -> int:
+        kv_heads = self.kv_caches[0][0].shape[2]
+        return choose_num_splits(bucket, kv_heads, self.max_model_len, num_sms(self.device))
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Largest bucket first, all sharing one memory pool; the inputs are all padding, so
+        warm-up and capture write nothing to the cache."""
+        pool = torch.cuda.graph_pool_handle()
+        for bucket in reversed(self.sizes):
+            meta = self.inputs.metadata(bucket, self.max_model_len, self.num_splits(bucket))
+            args = (self.inputs.input_ids[:bucket], self.inputs.positions[:bucket],
+                    self.kv_caches, meta)
+            self.model(*args)  # compiles Triton kernels and sets up cuBLAS outside the capture
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.outputs[bucket] = self.model(*args)
+            self.graphs[bucket] = graph
+        torch.cuda.synchronize(self.device)
+
+    def run(self, rows: DecodeRows) -> torch.Tensor | None:
+        """Hidden states (n, hidden) of the step's n sequences, or None when no graph fits."""
+        n, width = rows.block_tables.shape
+        bucket = bucket_for(n, self.sizes)
+        if bucket is None or width > self.max_blocks:
+            return None
+        self.copied.synchronize()  # the last step's copy has left the pinned buffer
+        packed = pack_padded(rows, bucket, self.host_np)
+        size = packed.size
+        self.packed[:size].copy_(self.host[:size], non_blocking=True)
+        self.copied.record()
+        self.inputs.load(self.packed[:size], bucket, width)
+        self.graphs[bucket].replay()
+        return self.outputs[bucket][:n]
