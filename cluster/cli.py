@@ -9,6 +9,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from cluster.cli_generate import add_generate_command
 from workers import catalog
 
 
@@ -57,6 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description="tandem LLM serving engine")
     subparsers = parser.add_subparsers(dest="command", required=True)
     add_models_command(subparsers)
+    add_generate_command(subparsers)
     return parser
 
 

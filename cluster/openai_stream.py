@@ -24,7 +24,7 @@ Stream = AsyncIterator[tuple[int, RequestOutput]]
 
 
 def event(body: BaseModel) -> str:
-    return f"data: {body.model_dump_json()}\n\n"
+    return f"data: {body.model_dump_json(exclude_none=True)}\n\n"
 
 
 @dataclass

@@ -1,0 +1,122 @@
+"""The physical limit of a workload, from ceilings measured in the same run.
+
+Two ceilings: memory bandwidth (a large device-to-device copy, bytes read + written; on the
+CPU a large memcpy, counted the same way) and the dense matmul rate (bf16 on a GPU, the
+model's dtype on the CPU). A workload's bound is the larger of its bytes over bandwidth and
+its FLOPs over the matmul rate, for an ideal engine that runs every request in one batch::
+
+    decode step t (all live sequences):  weight bytes + KV bytes of every live context
+    bytes = steps x weight bytes + sum over requests and output tokens of context x KV/token
+            + KV written for every token
+    flops = 2 x params x (prompt + output tokens)
+"""
+
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Ceilings:
+    bandwidth_bytes_per_s: float
+    matmul_flops_per_s: float
+    matmul_dtype: str
+
+
+@dataclass(frozen=True)
+class ModelCost:
+    weight_bytes: int  # every parameter once (a tied LM head counted once)
+    kv_bytes_per_token: int  # 2 x layers x kv heads x head_dim x element bytes
+    num_params: int
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def median_seconds(fn: Callable[[], object], device: torch.device, repeats: int,
+                   warmup: int = 2) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        synchronize(device)
+        start = time.perf_counter()
+        fn()
+        synchronize(device)
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+def measure_bandwidth(device: torch.device, num_bytes: int | None = None,
+                      repeats: int = 10) -> float:
+    """Bytes read + written per second by one large copy (4 GiB on a GPU, 256 MiB on a CPU)."""
+    num_bytes = num_bytes or (4 << 30 if device.type == "cuda" else 256 << 20)
+    src = torch.randint(0, 127, (num_bytes,), dtype=torch.int8, device=device)
+    dst = torch.empty_like(src)
+    seconds = median_seconds(lambda: dst.copy_(src), device, repeats)
+    return 2 * num_bytes / seconds
+
+
+def measure_matmul(device: torch.device, size: int | None = None,
+                   dtype: torch.dtype | None = None, repeats: int = 10) -> float:
+    """FLOP/s of one dense size^3 matmul on random data (8192 bf16 on a GPU)."""
+    on_gpu = device.type == "cuda"
+    size = size or (8192 if on_gpu else 1024)
+    dtype = dtype or (torch.bfloat16 if on_gpu else torch.float32)
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
+    seconds = median_seconds(lambda: a @ b, device, repeats)
+    return 2 * size**3 / seconds
+
+
+def measure_ceilings(device: torch.device, dtype: torch.dtype | None = None) -> Ceilings:
+    matmul_dtype = torch.bfloat16 if device.type == "cuda" else (dtype or torch.float32)
+    return Ceilings(measure_bandwidth(device), measure_matmul(device, dtype=matmul_dtype),
+                    str(matmul_dtype).removeprefix("torch."))
+
+
+def model_cost(hf_config, dtype: torch.dtype, num_params: int) -> ModelCost:
+    element = torch.empty((), dtype=dtype).element_size()
+    head_dim = getattr(hf_config, "head_dim", None) or (
+        hf_config.hidden_size // hf_config.num_attention_heads)
+    kv = 2 * hf_config.num_hidden_layers * hf_config.num_key_value_heads * head_dim * element
+    return ModelCost(num_params * element, kv, num_params)
+
+
+def decode_step_seconds(cost: ModelCost, contexts: list[int], ceilings: Ceilings) -> float:
+    """One decode step over sequences of these context lengths: read weights and all KV."""
+    bytes_moved = cost.weight_bytes + sum(contexts) * cost.kv_bytes_per_token
+    return bytes_moved / ceilings.bandwidth_bytes_per_s
+
+
+def latency_bound(cost: ModelCost, prompt_len: int, output_len: int,
+                  ceilings: Ceilings) -> dict:
+    """Batch-1 decode: mean time per output token over the contexts it passes through."""
+    steps = [decode_step_seconds(cost, [prompt_len + t], ceilings) for t in range(output_len)]
+    tpot = sum(steps) / len(steps)
+    return {"tpot_s": tpot, "tokens_per_s": 1.0 / tpot,
+            "batch1_tokens_per_s_at_context_0": 1.0 / decode_step_seconds(cost, [0], ceilings)}
+
+
+def workload_bound(cost: ModelCost, prompt_lens: list[int], output_lens: list[int],
+                   ceilings: Ceilings) -> dict:
+    """Seconds an ideal engine needs for these requests run as one batch (module docstring)."""
+    steps = max(output_lens)
+    kv_read_tokens = sum(o * p + o * (o - 1) // 2 for p, o in zip(prompt_lens, output_lens,
+                                                                    strict=True))
+    total_tokens = sum(prompt_lens) + sum(output_lens)
+    bytes_moved = (steps * cost.weight_bytes + kv_read_tokens * cost.kv_bytes_per_token
+                   + total_tokens * cost.kv_bytes_per_token)
+    memory_s = bytes_moved / ceilings.bandwidth_bytes_per_s
+    compute_s = 2 * cost.num_params * total_tokens / ceilings.matmul_flops_per_s
+    seconds = max(memory_s, compute_s)
+    return {"seconds": seconds, "memory_s": memory_s, "compute_s": compute_s,
+            "output_tokens_per_s": sum(output_lens) / seconds, "bytes": bytes_moved}
+
+
+def as_dict(ceilings: Ceilings) -> dict:
+    return asdict(ceilings)

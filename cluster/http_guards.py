@@ -1,0 +1,61 @@
+"""ASGI middleware that refuses a request before its body is parsed: no API key, too large."""
+
+import hmac
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from cluster.openai_errors import body_too_large, unauthorized
+
+
+class APIKeyGuard:
+    """Every path under ``/v1`` needs ``Authorization: Bearer <key>``."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and is_v1(scope):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                await unauthorized().response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+class BodyLimit:
+    """A declared Content-Length over the limit gets 413 at once; a chunked body is counted
+    as it arrives and the route's read of it raises the same error."""
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.limit:
+            await body_too_large(self.limit).response()(scope, receive, send)
+            return
+        received = 0
+
+        async def counted() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.limit:
+                    raise body_too_large(self.limit)
+            return message
+
+        await self.app(scope, counted, send)
+
+
+def is_v1(scope: Scope) -> bool:
+    path: str = scope.get("path", "")
+    root: str = scope.get("root_path", "")
+    if root and path.startswith(root):
+        path = path[len(root):]
+    return path == "/v1" or path.startswith("/v1/")

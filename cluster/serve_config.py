@@ -1,0 +1,84 @@
+"""The server's configuration, from `tandem serve` flags or a Serve config file's `args`.
+
+Pydantic checks it once, at the edge, and every problem comes back as one readable line per
+field; inside, the engine gets a plain ``EngineConfig``.
+"""
+
+import os
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from cluster.config import DEFAULT_MODEL, EngineConfig
+
+API_KEY_ENV = "TANDEM_API_KEY"
+
+
+class ServeConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str = Field(DEFAULT_MODEL, min_length=1,
+                       description="A catalog name or a HuggingFace model folder.")
+    served_model_name: str | None = Field(None, description="The name clients use; default: "
+                                          "the catalog name or the folder's name.")
+    tensor_parallel_size: int = Field(1, ge=1, le=8, description="GPUs per replica.")
+    num_replicas: int = Field(1, ge=1, le=64, description="Engine replicas behind the router.")
+    host: str = Field("127.0.0.1", description="Address the HTTP server binds to.")
+    port: int = Field(8000, ge=1, le=65535, description="HTTP port.")
+    api_key: str | None = Field(default_factory=lambda: os.environ.get(API_KEY_ENV) or None,
+                                description="Required as 'Authorization: Bearer <key>' "
+                                f"on /v1 routes; default: ${API_KEY_ENV}.")
+    max_body_bytes: int = Field(4 << 20, ge=1024, description="Larger request bodies get 413.")
+    max_ongoing_requests: int = Field(1024, ge=1, description="Requests the ingress accepts "
+                                      "at once.")
+    dtype: str = Field("auto", pattern="^(auto|float32|bfloat16|float16)$",
+                       description="auto | float32 | bfloat16 | float16.")
+    device: str = Field("auto", description="auto | cpu | cuda.")
+    max_model_len: int | None = Field(None, ge=2, description="Context length; default: the "
+                                      "model's.")
+    num_kv_blocks: int | None = Field(None, ge=1, description="Default: sized from memory.")
+    block_size: int = Field(16, ge=1, description="Tokens per KV block.")
+    max_num_seqs: int = Field(64, ge=1, description="Sequences in a batch at most.")
+    max_num_batched_tokens: int = Field(2048, ge=1, description="Tokens in a step at most.")
+    enable_prefix_caching: bool = Field(True, description="Share KV blocks of equal prefixes.")
+    seed: int = Field(0, description="Seed of the engines' random state.")
+
+    @property
+    def model_name(self) -> str:
+        if self.served_model_name:
+            return self.served_model_name
+        path = Path(self.model)
+        return path.name if path.is_dir() else self.model
+
+    @property
+    def url(self) -> str:
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "::") else self.host
+        return f"http://{host}:{self.port}"
+
+    def engine_config(self) -> EngineConfig:
+        return EngineConfig(
+            model=self.model, dtype=self.dtype, device=self.device,
+            block_size=self.block_size, num_kv_blocks=self.num_kv_blocks,
+            max_num_batched_tokens=self.max_num_batched_tokens, max_num_seqs=self.max_num_seqs,
+            max_model_len=self.max_model_len, enable_prefix_caching=self.enable_prefix_caching,
+            tensor_parallel_size=self.tensor_parallel_size,
+            distributed_executor_backend="ray" if self.tensor_parallel_size > 1 else "uni",
+            seed=self.seed,
+        )
+
+    def curl_example(self) -> str:
+        auth = f" -H 'Authorization: Bearer {self.api_key}'" if self.api_key else ""
+        body = ('{"model": "%s", "messages": [{"role": "user", "content": '
+                '"What is the capital of France?"}], "max_tokens": 32}' % self.model_name)
+        return (f"curl {self.url}/v1/chat/completions -H 'Content-Type: application/json'"
+                f"{auth} -d '{body}'")
+
+
+def load_config(values: dict[str, object]) -> ServeConfig:
+    """A ServeConfig, or ValueError with one line per problem."""
+    try:
+        return ServeConfig.model_validate(values)
+    except ValidationError as error:
+        lines = [f"  {'.'.join(map(str, e['loc'])) or 'config'}: {e['msg']}"
+                 for e in error.errors()]
+        raise ValueError("invalid server configuration:\n" + "\n".join(lines)) from None

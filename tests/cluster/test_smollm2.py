@@ -1,0 +1,58 @@
+"""The embedded default model, SmolLM2-135M-Instruct: token for token with transformers."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from cluster import LLM, SamplingParams
+from workers.catalog import DEFAULT_MODEL, model_path
+
+pytestmark = pytest.mark.slow
+
+QUESTIONS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "List three prime numbers.",
+    "Explain in one sentence what a GPU is.",
+]
+MAX_TOKENS = 48
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(DEFAULT_MODEL, device="cpu", dtype="float32", block_size=16, num_kv_blocks=256)
+
+
+def test_chat_matches_transformers_token_for_token(llm):
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    outputs = llm.chat([[{"role": "user", "content": q}] for q in QUESTIONS], params)
+    hf = AutoModelForCausalLM.from_pretrained(model_path(DEFAULT_MODEL), dtype=torch.float32)
+    for question, out in zip(QUESTIONS, outputs, strict=True):
+        prompt = llm.engine.chat_prompt([{"role": "user", "content": question}])
+        expected = hf.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS,
+                               do_sample=False)[0, len(prompt):].tolist()
+        assert out.token_ids == expected, question
+    assert "Paris" in outputs[0].text
+    assert outputs[0].finish_reason == "stop" and outputs[0].token_ids[-1] == 2  # <|im_end|>
+    assert "<|im_end|>" not in outputs[0].text
+
+
+def test_stop_string_is_cut_from_the_text(llm):
+    messages = [{"role": "user", "content": QUESTIONS[0]}]
+    full = llm.chat(messages, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))[0]
+    assert "France is Paris" in full.text
+    out = llm.chat(messages, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS,
+                                            stop=["is Paris"]))[0]
+    assert out.text == full.text[: full.text.index("is Paris")]
+    assert (out.finish_reason, out.outputs[0].stop_reason) == ("stop", "is Paris")
+
+
+def test_shared_system_prompt_hits_the_prefix_cache(llm):
+    system = {"role": "system", "content": "You are a terse assistant. " * 8}
+    conversations = [[system, {"role": "user", "content": q}] for q in QUESTIONS]
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+    llm.chat(conversations[:1], params)
+    before = llm.stats().prefix_cache_hits
+    outputs = llm.chat(conversations[1:], params)
+    assert llm.stats().prefix_cache_hits > before
+    assert all(out.metrics.num_cached_tokens >= 64 for out in outputs)
