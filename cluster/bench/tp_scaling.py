@@ -1,0 +1,126 @@
+"""W7: tensor-parallel scaling on one node — TPOT and tokens/s at TP 1 vs N, batch 1 and 64.
+
+Every configuration runs its shards as Ray actors (the same executor), one after another on
+the same GPUs; TP=1 in the engine's own process ("uni") is measured too, as a user gets it by
+default. The bound is the weight bytes each GPU reads per step over the copy bandwidth
+measured in the run. Greedy agreement between TP=1 and TP=N is reported for bf16.
+
+    python -m cluster.bench.tp_scaling --shape llama-3.1-8b --tp 1 2 --batch 1 64
+"""
+
+import argparse
+import gc
+import json
+import random
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from cluster.bench.report import environment, markdown_table
+from cluster.bench.roofline import measure_bandwidth
+from cluster.bench.shapes import build_random_model
+from cluster.llm import LLM
+from router.sampling_params import SamplingParams
+
+AGREEMENT_PROMPTS = 4
+AGREEMENT_TOKENS = 32
+
+
+def random_prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(100, vocab) for _ in range(length)] for _ in range(count)]
+
+
+def timed_batch(llm: LLM, prompts: list[list[int]], output_len: int) -> dict:
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params)
+    wall = time.perf_counter() - start
+    tpots = [(o.metrics.finished_time - o.metrics.first_token_time) / (len(o.token_ids) - 1)
+             for o in outputs]
+    return {"batch": len(prompts), "wall_s": wall, "tpot_ms_p50": 1e3 * statistics.median(tpots),
+            "ttft_ms_p50": 1e3 * statistics.median(o.metrics.ttft for o in outputs),
+            "output_tok_per_s": len(prompts) * output_len / wall}
+
+
+def measure(folder: Path, tp: int, backend: str, args: argparse.Namespace) -> dict:
+    dtype = "bfloat16" if args.device == "cuda" else "float32"
+    llm = LLM(str(folder), device=args.device, dtype=dtype, tensor_parallel_size=tp,
+              distributed_executor_backend=backend, max_num_seqs=max(args.batch),
+              gpu_memory_utilization=args.gpu_memory_utilization)
+    vocab = llm.engine.vocab_size
+    try:
+        llm.generate(random_prompts(2, 16, vocab, 99), SamplingParams(max_tokens=8))  # warm up
+        runs = [timed_batch(llm, random_prompts(b, args.prompt_len, vocab, b), args.output_len)
+                for b in args.batch]
+        greedy = llm.generate(random_prompts(AGREEMENT_PROMPTS, args.prompt_len, vocab, 7),
+                              SamplingParams(temperature=0.0, max_tokens=AGREEMENT_TOKENS,
+                                             ignore_eos=True))
+        return {"tp": tp, "executor": backend, "runs": runs,
+                "greedy": [o.token_ids for o in greedy]}
+    finally:
+        llm.engine.shutdown()
+        del llm
+        gc.collect()
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
+
+
+def agreement(a: list[list[int]], b: list[list[int]]) -> float:
+    """Share of positions equal before the first divergence, averaged over prompts."""
+    prefix = []
+    for x, y in zip(a, b, strict=True):
+        same = next((i for i, (p, q) in enumerate(zip(x, y, strict=True)) if p != q), len(x))
+        prefix.append(same / len(x))
+    return sum(prefix) / len(prefix)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--shape", default="llama-3.1-8b")
+    parser.add_argument("--model", help="a model folder instead of a random --shape")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--tp", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 64])
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=256)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.8)
+    parser.add_argument("--model-root", default="/tmp/tandem-shapes")
+    parser.add_argument("--with-uni", action="store_true", help="also TP=1 in-process")
+    parser.add_argument("--output", default="bench-results/w7.json")
+    args = parser.parse_args(argv)
+    folder = Path(args.model) if args.model else build_random_model(args.shape,
+                                                                     Path(args.model_root))
+    weight_bytes = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
+    bandwidth = measure_bandwidth(torch.device(args.device))
+    results = [measure(folder, tp, "ray", args) for tp in args.tp]
+    if args.with_uni:
+        results.append(measure(folder, 1, "uni", args))
+    base = results[0]
+    rows = []
+    for result in results:
+        for run, base_run in zip(result["runs"], base["runs"], strict=True):
+            bound_ms = 1e3 * weight_bytes / result["tp"] / bandwidth
+            rows.append([f"{result['tp']} ({result['executor']})", run["batch"],
+                         run["tpot_ms_p50"], base_run["tpot_ms_p50"] / run["tpot_ms_p50"],
+                         bound_ms if run["batch"] == 1 else None, run["output_tok_per_s"],
+                         run["ttft_ms_p50"]])
+        result["greedy_agreement_with_first"] = agreement(base["greedy"], result["greedy"])
+    table = markdown_table(["TP (executor)", "batch", "TPOT p50 ms", "speedup vs first",
+                            "TPOT bound ms", "output tok/s", "TTFT p50 ms"], rows)
+    print(table)
+    for result in results:
+        print(f"greedy agreement TP={result['tp']} ({result['executor']}) vs first: "
+              f"{result['greedy_agreement_with_first']:.3f}")
+    record = {"workload": "W7", "shape": args.shape, "args": vars(args),
+              "environment": environment(torch.device(args.device)),
+              "copy_bandwidth_bytes_per_s": bandwidth, "weight_bytes": weight_bytes,
+              "results": results, "table": table}
+    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.output).write_text(json.dumps(record, indent=2, default=str))
+
+
+if __name__ == "__main__":
+    main()
