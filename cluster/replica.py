@@ -97,7 +97,11 @@ class ReplicaActor:
             try:
                 outputs = await asyncio.to_thread(self.engine.step)
             except ShardFailure as error:
-                await self._recover(error)
+                await self._recover(f"lost a shard and is rebuilding: {error}")
+                continue
+            except Exception as error:  # the engine's state can't be trusted after this
+                log.exception("engine step failed")
+                await self._recover(f"failed a step and is rebuilding: {error!r}")
                 continue
             for output in outputs:
                 queue = self.queues.get(output.request_id)
@@ -114,8 +118,8 @@ class ReplicaActor:
                 if queue is not None:
                     queue.put_nowait(error)
 
-    async def _recover(self, error: ShardFailure) -> None:
-        message = f"replica {self.replica_id} lost a shard and is rebuilding: {error}"
+    async def _recover(self, what: str) -> None:
+        message = f"replica {self.replica_id} {what}"
         log.error(message)
         for queue in self.queues.values():
             queue.put_nowait(ReplicaFailure(message))
