@@ -30,6 +30,9 @@ lint: install
 run: install
 	$(TANDEM) generate --chat --prompt "$(PROMPT)" --max-tokens 64
 
+serve: install
+	$(TANDEM) serve --model smollm2-135m-instruct --host 127.0.0.1 --port 8000
+
 bench: install
 	$(TANDEM) bench throughput --model smollm2-135m-instruct --num-prompts 32
 

@@ -10,6 +10,7 @@ import sys
 from collections.abc import Sequence
 
 from cluster.cli_generate import add_generate_command
+from cluster.serve_cli import add_serve_command
 from workers import catalog
 
 
@@ -54,11 +55,19 @@ def models_path(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_bench_command(subparsers: argparse._SubParsersAction) -> None:
+    from cluster.bench.args import add_bench_parsers  # torch and transformers: only when run
+
+    add_bench_parsers(subparsers)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description="tandem LLM serving engine")
     subparsers = parser.add_subparsers(dest="command", required=True)
     add_models_command(subparsers)
+    add_bench_command(subparsers)
     add_generate_command(subparsers)
+    add_serve_command(subparsers)
     return parser
 
 

@@ -11,10 +11,14 @@ from pathlib import Path
 
 from cluster.config import EngineConfig
 from cluster.executor import Executor, UniExecutor
-from cluster.output_processor import (
-    CompletionTracker, RequestTracker, add_token, finish_completion, make_tracker,
-)
 from cluster.metrics import EngineMetrics, MetricsSnapshot
+from cluster.output_processor import (
+    CompletionTracker,
+    RequestTracker,
+    add_token,
+    finish_completion,
+    make_tracker,
+)
 from cluster.outputs import EngineStats, RequestOutput
 from cluster.step_builder import StepBuilder
 from cluster.tokenizer import Message, apply_chat_template, eos_token_ids, load_tokenizer

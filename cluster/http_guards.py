@@ -24,8 +24,8 @@ class APIKeyGuard:
 
 
 class BodyLimit:
-    """A declared Content-Length over the limit gets 413 at once; a chunked body is counted
-    as it arrives and the route's read of it raises the same error."""
+    """A declared Content-Length over the limit gets 413 at once; a body without one (chunked)
+    is read here, up to the limit, and handed on whole, so the app never parses a part."""
 
     def __init__(self, app: ASGIApp, limit: int) -> None:
         self.app = app
@@ -36,21 +36,37 @@ class BodyLimit:
             await self.app(scope, receive, send)
             return
         declared = dict(scope["headers"]).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.limit:
-            await body_too_large(self.limit).response()(scope, receive, send)
+        if declared is not None and declared.isdigit():
+            if int(declared) > self.limit:
+                await body_too_large(self.limit).response()(scope, receive, send)
+                return
+            await self.app(scope, receive, send)
             return
-        received = 0
-
-        async def counted() -> Message:
-            nonlocal received
+        body, more = b"", True
+        while more:
             message = await receive()
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > self.limit:
-                    raise body_too_large(self.limit)
-            return message
+            if message["type"] != "http.request":  # the client left
+                return
+            body += message.get("body", b"")
+            more = message.get("more_body", False)
+            if len(body) > self.limit:
+                await body_too_large(self.limit).response()(scope, receive, send)
+                return
+        await self.app(scope, replay(body, receive), send)
 
-        await self.app(scope, counted, send)
+
+def replay(body: bytes, receive: Receive) -> Receive:
+    """The whole body as one message, then the real channel (for http.disconnect)."""
+    sent = False
+
+    async def next_message() -> Message:
+        nonlocal sent
+        if sent:
+            return await receive()
+        sent = True
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    return next_message
 
 
 def is_v1(scope: Scope) -> bool:

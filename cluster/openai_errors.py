@@ -61,14 +61,19 @@ def cause_message(error: BaseException) -> str:
 
 def from_validation_errors(errors: Sequence[Any]) -> APIError:
     """FastAPI's 422 list of problems as one 400: malformed JSON and wrong types."""
-    problems, first_param = [], None
+    problems, params = [], []
     for error in errors:
-        location = [str(part) for part in error.get("loc", ()) if part != "body"]
-        param = ".".join(location) or None
-        first_param = first_param or param
         if error.get("type") == "json_invalid":
             return bad_request(f"The request body is not valid JSON: {error.get('msg')}",
                                code="invalid_json")
-        problems.append(f"{param}: {error.get('msg')}" if param else str(error.get("msg")))
-    message = "; ".join(problems[:3]) or "The request body is invalid."
-    return bad_request(message, param=first_param, code="invalid_type")
+        # pydantic names the union member it tried ("str", "list[int]"): not a field
+        path = [str(part) for part in error.get("loc", ())[1:] if not is_type_tag(part)]
+        params.append(path[0] if path else None)
+        problems.append(f"{'.'.join(path)}: {error.get('msg')}" if path else str(error["msg"]))
+    message = "; ".join(dict.fromkeys(problems[:4])) or "The request body is invalid."
+    return bad_request(message, param=params[0] if params else None, code="invalid_type")
+
+
+def is_type_tag(part: object) -> bool:
+    text = str(part)
+    return "[" in text or text in ("str", "int", "float", "bool") or text[:1].isupper()

@@ -6,8 +6,14 @@ from transformers import PreTrainedTokenizerBase
 
 from cluster.outputs import CompletionOutput, RequestOutput
 from cluster.protocol import (
-    AssistantMessage, ChatChoice, ChatLogprobs, CompletionChoice, CompletionLogprobs,
-    TokenLogprob, TopLogprob, Usage,
+    AssistantMessage,
+    ChatChoice,
+    ChatLogprobs,
+    CompletionChoice,
+    CompletionLogprobs,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
 )
 
 # per generated token: [(sampled id, logprob), (top-1 id, logprob), ...]
@@ -17,7 +23,7 @@ TokenEntries = Sequence[list[tuple[int, float]]]
 def token_text(tokenizer: PreTrainedTokenizerBase | None, token_id: int) -> str:
     if tokenizer is None:
         return f"token_id:{token_id}"
-    return tokenizer.decode([token_id])
+    return str(tokenizer.decode([token_id]))
 
 
 def completion_logprobs(tokenizer: PreTrainedTokenizerBase | None, entries: TokenEntries,

@@ -10,18 +10,27 @@ from dataclasses import dataclass
 
 from transformers import PreTrainedTokenizerBase
 
-from cluster.openai_errors import APIError, bad_request, cause_message, model_not_found
+from cluster.openai_errors import bad_request, cause_message, model_not_found
 from cluster.openai_format import chat_choices, completion_choices, usage
 from cluster.openai_stream import StreamContext, chat_events, completion_events
+from cluster.outputs import RequestOutput
 from cluster.protocol import (
-    ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse,
-    ModelCard, ModelList, Prompt, SamplingFields, new_id,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    ModelCard,
+    ModelList,
+    Prompt,
+    SamplingFields,
+    new_id,
 )
 from cluster.request_streams import Cluster, final_outputs, merge_streams, prefetch
 from cluster.tokenizer import apply_chat_template
 from router.sampling_params import SamplingParams
 
 Events = AsyncIterator[str]
+Stream = AsyncIterator[tuple[int, RequestOutput]]
 
 
 @dataclass
@@ -79,11 +88,11 @@ class OpenAIService:
             raise model_not_found(name)
 
     def _completion_prompts(self, prompt: Prompt) -> list[list[int]]:
-        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
-            prompt = [prompt]  # type: ignore[list-item]
-        if not prompt:
+        single = isinstance(prompt, str) or (prompt and isinstance(prompt[0], int))
+        items: list[str | list[int]] = [prompt] if single else list(prompt)  # type: ignore
+        if not items:
             raise bad_request("prompt must not be empty", "prompt")
-        prompts = [self._tokenize(p) for p in prompt]  # type: ignore[arg-type]
+        prompts = [self._tokenize(p) for p in items]
         if not all(prompts):
             raise bad_request("prompt is empty", "prompt")
         return prompts
@@ -113,7 +122,7 @@ class OpenAIService:
     # -- running ------------------------------------------------------------------------------
 
     async def _start(self, request_id: str, prompts: list[list[int]],
-                     params: list[SamplingParams]) -> AsyncIterator[tuple[int, object]]:
+                     params: list[SamplingParams]) -> Stream:
         """Starts one cluster request per prompt and waits for the first output, so an error
         the engine finds in a prompt becomes a 400 before any response is sent."""
         ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}"
@@ -125,7 +134,7 @@ class OpenAIService:
         except ValueError as error:
             raise bad_request(cause_message(error), "prompt") from error
 
-    async def _finish(self, stream, count: int):  # type: ignore[no-untyped-def]
+    async def _finish(self, stream: Stream, count: int) -> list[RequestOutput]:
         try:
             return await final_outputs(stream, count)
         except ValueError as error:
@@ -136,5 +145,3 @@ class OpenAIService:
         return StreamContext(request_id, self.model_name, self.tokenizer, prompts, request.n,
                              request.include_usage)
 
-
-__all__ = ["APIError", "OpenAIService"]

@@ -15,8 +15,13 @@ from cluster.openai_errors import APIError, bad_request, cause_message, internal
 from cluster.openai_format import chat_logprobs, choice_index, completion_logprobs
 from cluster.outputs import RequestOutput
 from cluster.protocol import (
-    ChatChunkChoice, ChatCompletionChunk, CompletionChoice, CompletionResponse, DeltaMessage,
-    Usage, now,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    CompletionChoice,
+    CompletionResponse,
+    DeltaMessage,
+    Usage,
+    now,
 )
 
 DONE = "data: [DONE]\n\n"
@@ -49,6 +54,7 @@ class DeltaTracker:
     """What each choice has been sent so far."""
 
     n: int
+    token_chunks: bool = False  # a chunk per token even without text (no tokenizer)
     cursors: dict[int, Cursor] = field(default_factory=dict)
 
     def deltas(self, prompt_index: int, output: RequestOutput) -> list[Delta]:
@@ -57,7 +63,8 @@ class DeltaTracker:
             index = choice_index(prompt_index, self.n, c)
             cursor = self.cursors.setdefault(index, Cursor())
             text = c.text[cursor.text_sent:]
-            if cursor.done or not (text or c.finished):
+            new_tokens = self.token_chunks and len(c.token_ids) > cursor.tokens_sent
+            if cursor.done or not (text or c.finished or new_tokens):
                 continue
             entries = None if c.logprobs is None else c.logprobs[cursor.tokens_sent:]
             result.append(Delta(index, text, entries, cursor.text_sent, c.finish_reason,
@@ -85,7 +92,7 @@ class StreamContext:
 
 
 async def completion_events(stream: Stream, ctx: StreamContext) -> AsyncIterator[str]:
-    tracker = DeltaTracker(ctx.n)
+    tracker = DeltaTracker(ctx.n, token_chunks=ctx.tokenizer is None)
 
     def chunk(choices: list[CompletionChoice], usage: Usage | None = None) -> str:
         return event(CompletionResponse(id=ctx.request_id, model=ctx.model, created=ctx.created,
@@ -112,7 +119,7 @@ async def completion_events(stream: Stream, ctx: StreamContext) -> AsyncIterator
 
 
 async def chat_events(stream: Stream, ctx: StreamContext) -> AsyncIterator[str]:
-    tracker = DeltaTracker(ctx.n)
+    tracker = DeltaTracker(ctx.n, token_chunks=ctx.tokenizer is None)
 
     def chunk(choices: list[ChatChunkChoice], usage: Usage | None = None) -> str:
         return event(ChatCompletionChunk(id=ctx.request_id, model=ctx.model, created=ctx.created,

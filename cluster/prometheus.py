@@ -9,7 +9,10 @@ from collections.abc import Callable, Iterator, Sequence
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.metrics_core import (
-    CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric,
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
 )
 from prometheus_client.registry import Collector
 
@@ -52,7 +55,8 @@ METRIC_NAMES = (
 
 def histogram_buckets(histogram: Histogram) -> list[tuple[str, float]]:
     """Prometheus buckets are cumulative and end with +Inf."""
-    buckets, total = [], 0
+    buckets: list[tuple[str, float]] = []
+    total = 0
     for bound, count in zip([*map(str, histogram.bounds), "+Inf"], histogram.counts, strict=True):
         total += count
         buckets.append((bound, total))

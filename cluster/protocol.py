@@ -52,9 +52,14 @@ class SamplingFields(BaseModel):
             n=self.n, max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
             top_k=self.top_k, min_p=self.min_p, repetition_penalty=self.repetition_penalty,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-            seed=self.seed, stop=self.stop or (), stop_token_ids=self.stop_token_ids or (),
+            seed=self.seed, stop=stop_strings(self.stop),
+            stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos, logprobs=logprobs,
         )
+
+
+def stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
+    return (stop,) if isinstance(stop, str) else tuple(stop or ())
 
 
 class CompletionRequest(SamplingFields):

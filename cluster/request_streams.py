@@ -54,13 +54,13 @@ async def merge_streams(streams: Sequence[AsyncIterator[T]]) -> AsyncIterator[tu
     try:
         remaining = len(tasks)
         while remaining:
-            index, item = await queue.get()
-            if item is None:
+            index, got = await queue.get()
+            if got is None:
                 remaining -= 1
-            elif isinstance(item, BaseException):
-                raise item
+            elif isinstance(got, BaseException):
+                raise got
             else:
-                yield index, item
+                yield index, got
     finally:
         for task in tasks:
             task.cancel()

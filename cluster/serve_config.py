@@ -4,8 +4,10 @@ Pydantic checks it once, at the edge, and every problem comes back as one readab
 field; inside, the engine gets a plain ``EngineConfig``.
 """
 
+import json
 import os
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -31,8 +33,8 @@ class ServeConfig(BaseModel):
     max_body_bytes: int = Field(4 << 20, ge=1024, description="Larger request bodies get 413.")
     max_ongoing_requests: int = Field(1024, ge=1, description="Requests the ingress accepts "
                                       "at once.")
-    dtype: str = Field("auto", pattern="^(auto|float32|bfloat16|float16)$",
-                       description="auto | float32 | bfloat16 | float16.")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="The weights' and KV cache's dtype.")
     device: str = Field("auto", description="auto | cpu | cuda.")
     max_model_len: int | None = Field(None, ge=2, description="Context length; default: the "
                                       "model's.")
@@ -68,17 +70,19 @@ class ServeConfig(BaseModel):
 
     def curl_example(self) -> str:
         auth = f" -H 'Authorization: Bearer {self.api_key}'" if self.api_key else ""
-        body = ('{"model": "%s", "messages": [{"role": "user", "content": '
-                '"What is the capital of France?"}], "max_tokens": 32}' % self.model_name)
+        body = json.dumps({"model": self.model_name, "max_tokens": 32, "messages": [
+            {"role": "user", "content": "What is the capital of France?"}]})
         return (f"curl {self.url}/v1/chat/completions -H 'Content-Type: application/json'"
                 f"{auth} -d '{body}'")
 
 
-def load_config(values: dict[str, object]) -> ServeConfig:
-    """A ServeConfig, or ValueError with one line per problem."""
+def load_config(values: dict[str, object], names: dict[str, str] | None = None) -> ServeConfig:
+    """A ServeConfig, or ValueError with one line per problem; ``names`` renames fields in the
+    messages (to the command line's flags)."""
     try:
         return ServeConfig.model_validate(values)
     except ValidationError as error:
-        lines = [f"  {'.'.join(map(str, e['loc'])) or 'config'}: {e['msg']}"
-                 for e in error.errors()]
+        names = names or {}
+        lines = [f"  {names.get(str(e['loc'][0]), e['loc'][0]) if e['loc'] else 'config'}: "
+                 f"{e['msg']}" for e in error.errors()]
         raise ValueError("invalid server configuration:\n" + "\n".join(lines)) from None

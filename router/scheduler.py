@@ -146,7 +146,7 @@ class Scheduler:
 
         Returns the sequences that finished in this step (their blocks are already freed).
         """
-        finished = []
+        finished: list[Sequence] = []
         for item in output.scheduled:
             seq = item.seq
             if seq.is_finished or seq.status is SequenceStatus.WAITING:

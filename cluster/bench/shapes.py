@@ -7,9 +7,6 @@ tokenizer is written: prompts are token ids. Folders are cached by shape and dty
 import json
 from pathlib import Path
 
-import torch
-from safetensors.torch import save_file
-
 LLAMA3_ROPE = dict(rope_type="llama3", low_freq_factor=1.0, high_freq_factor=4.0,
                    original_max_position_embeddings=8192)
 SHAPES: dict[str, dict] = {
@@ -77,6 +74,9 @@ def num_parameters(config: dict) -> int:
 def build_random_model(shape: str, root: Path, config_overrides: dict | None = None,
                        seed: int = 0) -> Path:
     """The folder of `shape` with random bf16 weights (std 0.02, norms 1), built once."""
+    import torch
+    from safetensors.torch import save_file
+
     if shape not in SHAPES:
         raise ValueError(f"unknown shape {shape!r} (choose from {', '.join(SHAPES)})")
     config = {**SHAPES[shape], **COMMON, **(config_overrides or {})}

@@ -43,7 +43,8 @@ def paged_attention(
     num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
     out = torch.empty_like(q)
     start = 0
-    for i, (q_len, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
+    lengths = zip(meta.query_lens_cpu, meta.seq_lens_cpu, strict=True)
+    for i, (q_len, seq_len) in enumerate(lengths):
         qi = q[start : start + q_len].transpose(0, 1)  # (heads, q_len, head_dim)
         ki = gather_context(k_cache, meta.block_tables[i], seq_len).transpose(0, 1)
         vi = gather_context(v_cache, meta.block_tables[i], seq_len).transpose(0, 1)

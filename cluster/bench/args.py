@@ -1,0 +1,91 @@
+"""`tandem bench {latency,throughput,prefix}`: the arguments; the work is in commands.py."""
+
+import argparse
+
+from cluster.bench.serve_bench import add_serve_bench_parser
+from cluster.bench.shapes import SHAPES
+
+
+def common_arguments(parser: argparse.ArgumentParser) -> None:
+    model = parser.add_mutually_exclusive_group()
+    model.add_argument("--shape", choices=sorted(SHAPES),
+                       help="a real architecture with random weights (built once, cached)")
+    model.add_argument("--model", default="smollm2-135m-instruct",
+                       help="catalog name or HF folder (default: %(default)s)")
+    parser.add_argument("--model-cache", help="where --shape folders go "
+                        "(default: <tandem cache>/bench-models)")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16",
+                                                            "float16"])
+    parser.add_argument("--device", help="cpu | cuda | cuda:N (default: cuda if present)")
+    parser.add_argument("--attention-backend", default="auto",
+                        choices=["auto", "reference", "triton"])
+    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    parser.add_argument("--cpu-kv-cache-gb", type=float, default=2.0)
+    parser.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--output", help="JSON path (default: bench-results/<workload>-<time>.json)")
+
+
+# handlers import the heavy modules only when a benchmark really runs
+def run_latency(args: argparse.Namespace) -> int:
+    from cluster.bench.commands import latency
+
+    return latency(args)
+
+
+def run_throughput(args: argparse.Namespace) -> int:
+    from cluster.bench.commands import throughput
+
+    return throughput(args)
+
+
+def run_prefix(args: argparse.Namespace) -> int:
+    from cluster.bench.commands import prefix
+
+    return prefix(args)
+
+
+def add_bench_parsers(subparsers: argparse._SubParsersAction) -> None:
+    bench = subparsers.add_parser("bench", help="benchmarks against HF and the roofline")
+    workloads = bench.add_subparsers(dest="workload", required=True)
+
+    latency = workloads.add_parser("latency", help="W1: batch-1 TTFT and TPOT")
+    common_arguments(latency)
+    latency.add_argument("--prompt-len", type=int, default=128)
+    latency.add_argument("--output-len", type=int, default=512)
+    latency.add_argument("--repeats", type=int, default=3)
+    latency.add_argument("--hf-output-len", type=int, default=64,
+                         help="output tokens of the HF batch-1 run (TPOT from it)")
+    latency.add_argument("--compare-backends", action="store_true",
+                         help="also check Triton == reference greedy tokens in float32")
+    latency.add_argument("--profile", action="store_true",
+                         help="on a GPU: time the batch-1 graph alone and profile 32 steps")
+    latency.set_defaults(handler=run_latency)
+
+    throughput = workloads.add_parser("throughput", help="W2: nano-vllm's offline workload")
+    common_arguments(throughput)
+    throughput.add_argument("--num-requests", type=int, default=256)
+    throughput.add_argument("--min-len", type=int, default=100)
+    throughput.add_argument("--max-len", type=int, default=1024)
+    throughput.add_argument("--hf-batch-sizes", default="16,64,256",
+                            help="generate() batch sizes tried, on the first B requests")
+    throughput.add_argument("--hf-max-new-tokens", type=int, default=256,
+                            help="cap on HF output tokens per request (useful tok/s counted)")
+    throughput.add_argument("--hf-batch-requests", type=int, default=64,
+                            help="requests for generate_batch() (0: skip it)")
+    throughput.set_defaults(handler=run_throughput)
+
+    prefix = workloads.add_parser("prefix", help="W4: shared prefixes, cache on vs off")
+    common_arguments(prefix)
+    prefix.add_argument("--num-groups", type=int, default=64)
+    prefix.add_argument("--group-size", type=int, default=16)
+    prefix.add_argument("--prefix-len", type=int, default=2048)
+    prefix.add_argument("--question-len", type=int, default=128)
+    prefix.add_argument("--output-len", type=int, default=256)
+    prefix.set_defaults(handler=run_prefix)
+
+    add_serve_bench_parser(workloads)  # W3: cluster/bench/serve_bench.py (serving owns it)

@@ -1,0 +1,73 @@
+"""`tandem bench`: the workload generators, the roofline arithmetic, a tiny end-to-end run."""
+
+import json
+
+import pytest
+
+from cluster.bench import roofline, shapes, workloads
+from cluster.cli import main
+
+
+def test_w2_is_the_nano_vllm_workload():
+    requests = workloads.throughput_requests()
+    assert len(requests) == 256
+    assert workloads.total_prompt_tokens(requests) == 142_827
+    assert workloads.total_output_tokens(requests) == 133_966
+    first = workloads.throughput_requests(num_requests=32)
+    assert first == requests[:32]
+
+
+def test_w4_and_its_ideal_hit_rate():
+    requests = workloads.prefix_requests(num_groups=2, group_size=3, prefix_len=32,
+                                         question_len=8, max_tokens=4)
+    assert len(requests) == 6 and all(len(r.prompt_token_ids) == 40 for r in requests)
+    assert requests[0].prompt_token_ids[:32] == requests[2].prompt_token_ids[:32]
+    assert requests[0].prompt_token_ids[:32] != requests[3].prompt_token_ids[:32]
+    rate = workloads.ideal_prefix_hit_rate(64, 16, 2048, 128, 16)
+    assert rate == pytest.approx(15 * 2048 / (16 * 2176)) and round(rate, 3) == 0.882
+
+
+def test_shapes_have_the_published_sizes():
+    params = {name: shapes.num_parameters(cfg) for name, cfg in shapes.SHAPES.items()}
+    assert params["llama-3.2-1b"] == 1_235_814_400
+    assert params["qwen3-0.6b"] == 596_049_920
+    assert params["llama-3.1-8b"] == 8_030_261_248
+
+
+def test_roofline_arithmetic():
+    ceilings = roofline.Ceilings(4.3e12, 786e12, "bfloat16")
+    cost = roofline.ModelCost(weight_bytes=2_471_628_800, kv_bytes_per_token=32768,
+                              num_params=1_235_814_400)
+    at_zero = roofline.latency_bound(cost, 0, 1, ceilings)["tokens_per_s"]
+    assert at_zero == pytest.approx(4.3e12 / 2_471_628_800) and round(at_zero) == 1740
+    # two requests (prompt 10, output 3) and (prompt 4, output 1): 3 steps, KV read at
+    # contexts 10, 11, 12 and 4, KV written for all 18 tokens
+    bound = roofline.workload_bound(cost, [10, 4], [3, 1], ceilings)
+    expected_bytes = 3 * cost.weight_bytes + (10 + 11 + 12 + 4 + 18) * 32768
+    assert bound["bytes"] == expected_bytes
+    assert bound["seconds"] == pytest.approx(max(expected_bytes / 4.3e12,
+                                                 2 * cost.num_params * 18 / 786e12))
+    assert bound["output_tokens_per_s"] == pytest.approx(4 / bound["seconds"])
+
+
+def test_tiny_throughput_run_writes_every_figure(tiny_models, tmp_path, capsys):
+    output = tmp_path / "w2.json"
+    code = main(["bench", "throughput", "--model", str(tiny_models["llama"]), "--device", "cpu",
+                 "--num-requests", "4", "--min-len", "8", "--max-len", "16",
+                 "--hf-batch-sizes", "2,4", "--hf-max-new-tokens", "8",
+                 "--hf-batch-requests", "0", "--cpu-kv-cache-gb", "0.05",
+                 "--output", str(output)])
+    assert code == 0
+    record = json.loads(output.read_text())
+    assert {"config", "environment", "ceilings", "model_cost", "tandem", "hf_generate",
+            "roofline", "summary", "table", "workload"} <= set(record)
+    assert record["environment"]["torch"] and "transformers" in record["environment"]
+    assert record["ceilings"]["bandwidth_bytes_per_s"] > 0
+    tandem = record["tandem"]
+    requests = workloads.throughput_requests(4, 8, 16, vocab_size=10001)
+    assert tandem["output_tokens"] == workloads.total_output_tokens(requests)
+    assert tandem["prompt_tokens"] == workloads.total_prompt_tokens(requests)
+    assert {"p50", "p99"} <= set(tandem["ttft_s"])
+    assert record["hf_generate"]["best"]["output_tokens_per_s"] > 0
+    assert record["summary"]["speedup_vs_best_hf"] > 0
+    assert "| tandem |" in capsys.readouterr().out
