@@ -27,7 +27,8 @@ def common_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cpu-kv-cache-gb", type=float, default=2.0)
     parser.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--output", help="JSON path (default: bench-results/<workload>-<time>.json)")
+    parser.add_argument("--output",
+                        help="JSON path (default: bench-results/<workload>-<time>.json)")
 
 
 # handlers import the heavy modules only when a benchmark really runs

@@ -10,12 +10,21 @@ from safetensors import safe_open
 from cluster.bench import hf_baseline as hf
 from cluster.bench import roofline
 from cluster.bench.engine_runs import (
-    engine_summary, greedy, make_llm, percentiles, release, run_requests,
+    engine_summary,
+    greedy,
+    make_llm,
+    percentiles,
+    release,
+    run_requests,
 )
 from cluster.bench.report import environment, markdown_table, publish, write_json
 from cluster.bench.shapes import build_random_model
 from cluster.bench.workloads import (
-    Request, ideal_prefix_hit_rate, latency_prompt, prefix_requests, throughput_requests,
+    Request,
+    ideal_prefix_hit_rate,
+    latency_prompt,
+    prefix_requests,
+    throughput_requests,
 )
 from workers.catalog import cache_root, resolve_model
 from workers.loader import load_config, weight_files
@@ -115,7 +124,8 @@ def latency(args: argparse.Namespace) -> int:
 
         engine_info["graph_replay_s_batch1"] = graph_replay_seconds(llm)
         engine_info["profile"] = profile_steps(lambda: step_latencies(llm, Request(prompt, 32)))
-        print(engine_info["profile"], "\ngraph replay batch 1:", engine_info["graph_replay_s_batch1"])
+        print(engine_info["profile"])
+        print("graph replay, batch 1:", engine_info["graph_replay_s_batch1"])
     release(llm)
     median = sorted(runs, key=lambda run: run["tpot"]["p50"])[len(runs) // 2]
     tandem = {"ttft_s": sorted(r["ttft_s"] for r in runs)[len(runs) // 2],

@@ -22,4 +22,5 @@ def profile_steps(fn) -> str:
     with torch.profiler.profile(activities=activities) as prof:
         fn()
         torch.cuda.synchronize()
-    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=60)
+    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=30,
+                                     max_name_column_width=60)

@@ -42,7 +42,8 @@ def markdown_table(header: list[str], rows: list[list]) -> str:
 
 
 def write_json(record: dict, output: str | None, workload: str) -> Path:
-    path = Path(output) if output else RESULTS_DIR / f"{workload}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    path = Path(output) if output else RESULTS_DIR / f"{workload}-{stamp}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(record, indent=2, default=str))
     return path
