@@ -19,7 +19,7 @@ from cluster.output_processor import (
     finish_completion,
     make_tracker,
 )
-from cluster.outputs import EngineStats, RequestOutput
+from cluster.outputs import EngineStats, RequestDelta, RequestOutput
 from cluster.step_builder import StepBuilder
 from cluster.tokenizer import Message, apply_chat_template, eos_token_ids, load_tokenizer
 from kvstore.kv_cache_manager import KVCacheManager
@@ -143,16 +143,35 @@ class LLMEngine:
 
     # -- the step ---------------------------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
+    def step(self, only_finished: bool = False) -> list[RequestOutput]:
+        """Runs one step; the outputs of the requests it advanced (whole copies of each).
+
+        ``only_finished``: return only finished requests' outputs, for callers that do not
+        stream (``LLM.generate``); copying every running request's tokens each step is the
+        largest per-step cost at large batches.
+        """
+        touched = self._advance()
+        outputs = [t.snapshot() for t in touched if not only_finished or t.finished]
+        self._drop_finished(touched)
+        return outputs
+
+    def step_deltas(self) -> list[RequestDelta]:
+        """Runs one step; what each advanced request gained in it (for streaming)."""
+        touched = self._advance()
+        deltas = [t.delta() for t in touched]
+        self._drop_finished(touched)
+        return deltas
+
+    def _advance(self) -> list[RequestTracker]:
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty and not scheduled.released_ids:
             return []
         result = self.executor.execute(self.step_builder.build(scheduled))
         sampled = {rid: [token] for rid, token in zip(result.request_ids, result.token_ids,
                                                        strict=True)}
-        scheduled_seqs = {item.seq.request_id: item.seq for item in scheduled.scheduled}
-        self.metrics.batch_size = len(scheduled_seqs)
+        self.metrics.batch_size = len(scheduled.scheduled)
         finished = {seq.request_id: seq for seq in self.scheduler.update(scheduled, sampled)}
+        scheduled_seqs = {item.seq.request_id: item.seq for item in scheduled.scheduled}
         now = time.monotonic()
         touched: dict[str, RequestTracker] = {}
         for row, seq_id in enumerate(result.request_ids):
@@ -174,11 +193,12 @@ class LLMEngine:
             if seq_id in finished:
                 finish_completion(completion, finished[seq_id])
                 self._record_finish(tracker, finished[seq_id], now)
-        outputs = [tracker.snapshot() for tracker in touched.values()]
-        for output in outputs:
-            if output.finished:
-                self._drop(output.request_id)
-        return outputs
+        return list(touched.values())
+
+    def _drop_finished(self, trackers: list[RequestTracker]) -> None:
+        for tracker in trackers:
+            if tracker.finished:
+                self._drop(tracker.request_id)
 
     def _record_token(self, tracker: RequestTracker, completion: CompletionTracker,
                       seq: Sequence, now: float) -> None:

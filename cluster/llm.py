@@ -79,7 +79,7 @@ class LLM:
         pending = set(request_ids)
         with tqdm(total=len(request_ids), disable=not use_tqdm, desc="generating") as bar:
             while pending:
-                for output in self.engine.step():
+                for output in self.engine.step(only_finished=True):
                     if output.finished and output.request_id in pending:
                         done[output.request_id] = output
                         pending.discard(output.request_id)

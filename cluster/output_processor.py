@@ -11,7 +11,13 @@ from dataclasses import dataclass, field
 from transformers import PreTrainedTokenizerBase
 
 from cluster.detokenizer import IncrementalDetokenizer
-from cluster.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from cluster.outputs import (
+    CompletionDelta,
+    CompletionOutput,
+    RequestDelta,
+    RequestMetrics,
+    RequestOutput,
+)
 from router.sampling_params import SamplingParams
 from router.sequence import Sequence
 
@@ -22,6 +28,19 @@ class CompletionTracker:
     detokenizer: IncrementalDetokenizer | None
     full_text: str = ""
     last_token_time: float | None = None
+    tokens_sent: int = 0  # how much of the completion earlier deltas carried
+    text_sent: int = 0
+
+    def delta(self, params: SamplingParams) -> CompletionDelta:
+        c = self.output
+        text = self.visible_text(params) if self.full_text else ""  # only grows: stop
+        # strings are held back until ruled out
+        logprobs = c.logprobs[self.tokens_sent :] if c.logprobs is not None else None
+        delta = CompletionDelta(c.index, c.token_ids[self.tokens_sent :],
+                                text[self.text_sent :], logprobs, c.finish_reason,
+                                c.stop_reason)
+        self.tokens_sent, self.text_sent = len(c.token_ids), len(text)
+        return delta
 
     def visible_text(self, params: SamplingParams) -> str:
         if self.output.finished or not params.stop:
@@ -38,10 +57,14 @@ class RequestTracker:
     params: SamplingParams
     completions: dict[str, CompletionTracker]  # sequence id -> its completion
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.monotonic()))
+    prompt_sent: bool = False
 
     @property
     def finished(self) -> bool:
-        return all(c.output.finished for c in self.completions.values())
+        for completion in self.completions.values():
+            if completion.output.finish_reason is None:
+                return False
+        return True
 
     def snapshot(self) -> RequestOutput:
         outputs = []
@@ -53,6 +76,17 @@ class RequestTracker:
             ))
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outputs,
                              self.metrics, self.finished)
+
+
+    def delta(self) -> RequestDelta:
+        """What changed since the last delta (a stream's message: no whole-list copies)."""
+        delta = RequestDelta(self.request_id, [c.delta(self.params) for c in
+                                               self.completions.values()],
+                             self.metrics, self.finished)
+        if not self.prompt_sent:
+            delta.prompt, delta.prompt_token_ids = self.prompt, self.prompt_token_ids
+            self.prompt_sent = True
+        return delta
 
 
 def find_stop(text: str, new_chars: int, stops: tuple[str, ...]) -> tuple[int, str] | None:

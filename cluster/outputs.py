@@ -72,3 +72,60 @@ class EngineStats:
         if not self.prefix_cache_queries:
             return 0.0
         return self.prefix_cache_hits / self.prefix_cache_queries
+
+
+@dataclass
+class CompletionDelta:
+    """What one completion gained in a step: the stream sends these, not whole outputs."""
+
+    index: int
+    new_token_ids: list[int]
+    new_text: str
+    new_logprobs: list[list[tuple[int, float]]] | None
+    finish_reason: str | None
+    stop_reason: int | str | None
+
+
+@dataclass
+class RequestDelta:
+    """One step's news of a request; the prompt rides only on the request's first delta."""
+
+    request_id: str
+    completions: list[CompletionDelta]
+    metrics: RequestMetrics
+    finished: bool
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+
+
+class OutputAccumulator:
+    """Rebuilds the ``RequestOutput`` of a request from its stream of deltas.
+
+    Copying whole token lists every step is the consumer's cost here, not the engine's.
+    """
+
+    def __init__(self) -> None:
+        self.output: RequestOutput | None = None
+
+    def add(self, delta: RequestDelta) -> RequestOutput:
+        if self.output is None:
+            assert delta.prompt_token_ids is not None, "the first delta carries the prompt"
+            self.output = RequestOutput(delta.request_id, delta.prompt, delta.prompt_token_ids,
+                                        [], delta.metrics)
+        out = self.output
+        by_index = {c.index: c for c in out.outputs}
+        completions = []
+        for d in delta.completions:
+            old = by_index.get(d.index) or CompletionOutput(
+                d.index, logprobs=[] if d.new_logprobs is not None else None)
+            logprobs = old.logprobs
+            if d.new_logprobs is not None:
+                logprobs = (logprobs or []) + d.new_logprobs
+            completions.append(CompletionOutput(
+                d.index, old.token_ids + d.new_token_ids, old.text + d.new_text,
+                d.finish_reason, d.stop_reason, logprobs))
+        by_index.update((c.index, c) for c in completions)
+        self.output = RequestOutput(out.request_id, out.prompt, out.prompt_token_ids,
+                                    [by_index[i] for i in sorted(by_index)], delta.metrics,
+                                    delta.finished)
+        return self.output

@@ -1,6 +1,7 @@
 """One replica of the model: an LLMEngine in a Ray actor, stepped by an asyncio loop.
 
-Requests stream their outputs back through a per-request queue. Adds and aborts are applied
+Requests stream their outputs back through a per-request queue, as deltas: a step sends
+each request's new tokens and text, never its whole token list again. Adds and aborts are applied
 between steps, by the loop, so the engine is only ever touched by one thread at a time while
 a step runs in a worker thread. If a shard dies, every in-flight request fails with a clear
 error and the replica rebuilds its engine (new shard actors, new process group).
@@ -14,7 +15,7 @@ from dataclasses import replace
 from cluster.config import EngineConfig
 from cluster.engine import LLMEngine
 from cluster.metrics import MetricsSnapshot
-from cluster.outputs import EngineStats, RequestOutput
+from cluster.outputs import EngineStats, RequestDelta
 from cluster.ray_executor import ShardFailure
 from router.sampling_params import SamplingParams
 
@@ -37,7 +38,7 @@ class ReplicaActor:
         self.dead_reason: str | None = None
         self.ready = asyncio.Event()  # cleared while the engine is being rebuilt
         self.ready.set()
-        self.queues: dict[str, asyncio.Queue[RequestOutput | Exception]] = {}
+        self.queues: dict[str, asyncio.Queue[RequestDelta | Exception]] = {}
         self.pending: list[tuple[str, Callable[[], object]]] = []
         self.wakeup: asyncio.Event | None = None
         self.loop_task: asyncio.Task[None] | None = None
@@ -48,13 +49,14 @@ class ReplicaActor:
 
     async def generate(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncIterator[RequestDelta]:
+        """What the request gains each step, as deltas (TandemCluster rebuilds outputs)."""
         await self.ready.wait()  # a request that arrives during a rebuild waits for it
         engine = self._engine()
         engine.check_prompt(prompt_ids)  # refuse bad input before anything is queued
         if request_id in self.queues:
             raise ValueError(f"request id '{request_id}' is already in use")
-        queue: asyncio.Queue[RequestOutput | Exception] = asyncio.Queue()
+        queue: asyncio.Queue[RequestDelta | Exception] = asyncio.Queue()
         self.queues[request_id] = queue
         self._submit(request_id, lambda: engine.add_request(prompt_ids, params, request_id))
         finished = False
@@ -95,7 +97,7 @@ class ReplicaActor:
             if self.engine is None or not self.engine.has_unfinished():
                 continue
             try:
-                outputs = await asyncio.to_thread(self.engine.step)
+                outputs = await asyncio.to_thread(self.engine.step_deltas)
             except ShardFailure as error:
                 await self._recover(f"lost a shard and is rebuilding: {error}")
                 continue

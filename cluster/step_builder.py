@@ -23,18 +23,22 @@ class StepBuilder:
         for request_id in output.released_ids:
             self.num_tokens_sent.pop(request_id, None)
         new_requests, scheduled = [], []
+        sent = self.num_tokens_sent
         for item in output.scheduled:
-            seq, request_id = item.seq, item.seq.request_id
+            seq = item.seq
+            request_id, token_ids = seq.request_id, seq.token_ids
             if item.is_new:
                 new_requests.append(NewRequest(
-                    request_id, list(seq.token_ids), seq.num_prompt_tokens,
+                    request_id, list(token_ids), seq.num_prompt_tokens,
                     item.new_block_ids, sampling_spec(seq.params),
                 ))
                 new_tokens, new_blocks = [], []
             else:
-                new_tokens = seq.token_ids[self.num_tokens_sent[request_id] :]
+                num_sent = sent[request_id]
+                # a decode step sends the one token sampled last step
+                new_tokens = token_ids[num_sent:] if num_sent < len(token_ids) else []
                 new_blocks = item.new_block_ids
-            self.num_tokens_sent[request_id] = seq.num_tokens
+            sent[request_id] = len(token_ids)
             scheduled.append(ScheduledRequest(
                 request_id, seq.num_computed_tokens, item.num_new_tokens, new_tokens, new_blocks
             ))

@@ -15,7 +15,7 @@ import ray
 
 from cluster.config import EngineConfig
 from cluster.metrics import MetricsSnapshot
-from cluster.outputs import EngineStats, RequestOutput
+from cluster.outputs import EngineStats, OutputAccumulator, RequestOutput
 from cluster.replica import REPLICA_ACTOR_OPTIONS, ReplicaActor
 from cluster.router_actor import ROUTER_ACTOR_OPTIONS, RouterActor
 from router.placement import PlacementPolicy
@@ -52,9 +52,10 @@ class TandemCluster:
             request_id, list(prompt_ids), params
         )
         finished = False
+        accumulator = OutputAccumulator()
         try:
             async for ref in stream:
-                output: RequestOutput = await ref
+                output = accumulator.add(await ref)
                 finished = output.finished
                 yield output
         finally:

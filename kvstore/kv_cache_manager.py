@@ -50,6 +50,9 @@ class KVCacheManager:
         self.req_blocks: dict[str, list[KVBlock]] = {}
         self.req_hashes: dict[str, list[BlockHash]] = {}
         self.req_salt: dict[str, ExtraKeys] = {}
+        # leading blocks of each request already registered in the cache: caching resumes
+        # there, so a decode step that fills no block costs O(1)
+        self.req_num_cached: dict[str, int] = {}
 
     @property
     def num_blocks(self) -> int:
@@ -107,16 +110,23 @@ class KVCacheManager:
         found by ``get_computed_blocks`` this step). Returns the newly allocated blocks, or
         ``None`` — changing nothing — when the pool cannot supply them.
         """
-        blocks = self.req_blocks.get(request_id, [])
+        blocks = self.req_blocks.get(request_id)
+        if blocks is None:
+            blocks = self.req_blocks[request_id] = []
         num_tokens = num_computed_tokens + num_new_tokens + num_lookahead_tokens
         num_needed = -(-num_tokens // self.block_size) - len(blocks) - len(new_computed_blocks)
+        if num_needed <= 0 and not new_computed_blocks:
+            return []  # the common decode step: the last block still has room
         # hits that sit evictable in the free queue leave it when touched
         num_reclaimed = sum(1 for block in new_computed_blocks if block.ref_count == 0)
         if max(num_needed, 0) + num_reclaimed > self.pool.num_free_blocks:
+            if not blocks:
+                del self.req_blocks[request_id]
             return None
         self.pool.touch(new_computed_blocks)
         new_blocks = self.pool.allocate(max(num_needed, 0)) or []
-        self.req_blocks[request_id] = blocks + list(new_computed_blocks) + new_blocks
+        blocks.extend(new_computed_blocks)
+        blocks.extend(new_blocks)
         return new_blocks
 
     def cache_blocks(
@@ -127,14 +137,22 @@ class KVCacheManager:
             return
         blocks = self.req_blocks[request_id]
         num_full = min(num_computed_tokens // self.block_size, len(blocks))
+        first = self.req_num_cached.get(request_id, 0)
+        if num_full <= first:
+            return  # no block filled since the last call
         hashes = self._hashes(request_id, token_ids[: num_full * self.block_size])
-        for index in range(num_full):
+        for index in range(first, num_full):
             block = blocks[index]
             if block.block_hash is None:
                 start = index * self.block_size
                 parent = hashes[index - 1] if index else None
                 tokens = token_ids[start : start + self.block_size]
                 self.pool.cache(block, hashes[index], parent, tokens)
+        self.req_num_cached[request_id] = num_full
+
+    def uncached_hashes(self, request_id: str) -> list[BlockHash]:
+        """Hashes of the request's known full blocks that it has not cached yet."""
+        return self.req_hashes.get(request_id, [])[self.req_num_cached.get(request_id, 0) :]
 
     def free(self, request_id: str) -> None:
         """Release a request's blocks, tail first; a no-op for unknown requests."""
@@ -142,6 +160,7 @@ class KVCacheManager:
         self.pool.free(reversed(blocks))
         self.req_hashes.pop(request_id, None)
         self.req_salt.pop(request_id, None)
+        self.req_num_cached.pop(request_id, None)
 
     def reset_prefix_cache(self) -> int:
         return self.pool.reset_prefix_cache()

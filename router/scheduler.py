@@ -81,16 +81,18 @@ class Scheduler:
         return output
 
     def _schedule_running(self, output: SchedulerOutput, budget: int) -> int:
+        chunk, lookahead_len = self.config.max_prefill_chunk, self.config.num_lookahead_tokens
+        allocate, scheduled = self.kv.allocate_slots, output.scheduled
         index = 0
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
-            num_new = self._num_new_tokens(seq, seq.num_computed_tokens, budget)
-            lookahead = self._lookahead(seq, seq.num_computed_tokens, num_new)
+            num_computed = seq.num_computed_tokens
+            num_missing = len(seq.token_ids) - num_computed
+            num_new = min(num_missing, budget, chunk) if chunk else min(num_missing, budget)
+            lookahead = lookahead_len if num_new == num_missing else 0
             while True:
-                blocks = self.kv.allocate_slots(
-                    seq.request_id, seq.num_computed_tokens, num_new,
-                    num_lookahead_tokens=lookahead,
-                )
+                blocks = allocate(seq.request_id, num_computed, num_new,
+                                  num_lookahead_tokens=lookahead)
                 if blocks is not None:
                     break
                 victim = self.running.pop()  # the newest
@@ -98,19 +100,28 @@ class Scheduler:
                 output.preempted_ids.append(victim.request_id)
                 if victim is seq:
                     return budget
-            output.scheduled.append(
-                ScheduledSequence(seq, num_new, [b.block_id for b in blocks], is_new=False)
-            )
+            new_ids = [b.block_id for b in blocks] if blocks else []
+            scheduled.append(ScheduledSequence(seq, num_new, new_ids, is_new=False))
             budget -= num_new
             index += 1
         return budget
 
     def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting[0]
+        """Admit waiting sequences in order, skipping (not dequeuing) those that would
+        recompute a prefix a running sequence is computing now: they wait for its blocks to be
+        cached and then hit them. A skipped sequence keeps its place in the queue."""
+        in_flight = self._in_flight_hashes()
+        index = 0
+        while index < len(self.waiting) and budget > 0 and (
+            len(self.running) < self.config.max_num_seqs
+        ):
+            seq = self.waiting[index]
             hits, num_cached = self.kv.get_computed_blocks(
                 seq.request_id, seq.token_ids, seq.params.cache_salt
             )
+            if self._waits_for_prefix(seq, len(hits), in_flight):
+                index += 1
+                continue
             num_new = self._num_new_tokens(seq, num_cached, budget)
             lookahead = self._lookahead(seq, num_cached, num_new)
             blocks = self.kv.allocate_slots(
@@ -119,17 +130,50 @@ class Scheduler:
             if blocks is None:
                 break
             self.kv.stats.record(seq.num_tokens, num_cached)
-            self.waiting.popleft()
-            seq.num_computed_tokens = num_cached
-            if seq.num_cached_tokens < 0:  # first admission
-                seq.num_cached_tokens = num_cached
-                seq.first_scheduled_time = time.monotonic()
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
-            self._known_to_workers.add(seq.request_id)
+            del self.waiting[index]
+            self._admit(seq, num_cached)
             block_ids = self.kv.block_ids(seq.request_id)
             output.scheduled.append(ScheduledSequence(seq, num_new, block_ids, is_new=True))
             budget -= num_new
+            if in_flight is not None:
+                in_flight.update(self.kv.uncached_hashes(seq.request_id))
+
+    def _admit(self, seq: Sequence, num_cached: int) -> None:
+        seq.num_computed_tokens = num_cached
+        if seq.num_cached_tokens < 0:  # first admission
+            seq.num_cached_tokens = num_cached
+            seq.first_scheduled_time = time.monotonic()
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        self._known_to_workers.add(seq.request_id)
+
+    def _in_flight_hashes(self) -> set[bytes] | None:
+        """Hashes of the prompt blocks running sequences are still computing (not yet cached).
+
+        Only sequences still in their prompt count: a decoding one fills a block of generated
+        tokens, which another request is unlikely to share. None when caching is off.
+        """
+        if not self.kv.enable_prefix_caching or not self.waiting:
+            return None
+        in_flight: set[bytes] = set()
+        for seq in self.running:
+            if seq.num_computed_tokens < seq.num_prompt_tokens:
+                in_flight.update(self.kv.uncached_hashes(seq.request_id))
+        return in_flight
+
+    def _waits_for_prefix(self, seq: Sequence, num_hits: int,
+                          in_flight: set[bytes] | None) -> bool:
+        """Whether the block right after seq's cached prefix is being computed by another.
+
+        No deadlock: the blocks in flight belong to running sequences, which are scheduled
+        before any waiting one, so they get cached (or their owner is preempted or finishes,
+        which takes them out of the set) within a few steps.
+        """
+        if not in_flight:
+            return False
+        hashes = self.kv.req_hashes.get(seq.request_id, [])
+        max_blocks = (seq.num_tokens - 1) // self.kv.block_size
+        return num_hits < min(len(hashes), max_blocks) and hashes[num_hits] in in_flight
 
     def _num_new_tokens(self, seq: Sequence, num_computed: int, budget: int) -> int:
         num_new = min(seq.num_tokens - num_computed, budget)
@@ -147,17 +191,18 @@ class Scheduler:
         Returns the sequences that finished in this step (their blocks are already freed).
         """
         finished: list[Sequence] = []
+        cache_blocks = self.kv.cache_blocks
         for item in output.scheduled:
             seq = item.seq
-            if seq.is_finished or seq.status is SequenceStatus.WAITING:
+            if seq.status is not SequenceStatus.RUNNING:
                 continue  # aborted or preempted since it was scheduled
             seq.num_computed_tokens += item.num_new_tokens
             for token_id in sampled.get(seq.request_id, ()):
-                seq.append_token(token_id)
+                seq.token_ids.append(token_id)
                 if self._check_stop(seq, token_id):
                     break
-            self.kv.cache_blocks(seq.request_id, seq.token_ids, seq.num_computed_tokens)
-            if seq.is_finished:
+            cache_blocks(seq.request_id, seq.token_ids, seq.num_computed_tokens)
+            if seq.status is SequenceStatus.FINISHED:
                 self._release(seq)
                 finished.append(seq)
         return finished

@@ -130,3 +130,45 @@ def test_bad_sampling_params_are_refused(kwargs, message):
     with pytest.raises(ValueError) as error:
         SamplingParams(**kwargs)
     assert str(error.value) == message
+
+
+def test_a_shared_prefix_arriving_together_is_computed_once():
+    sched = make()
+    sched.add(seq("a", 10))
+    sched.add(seq("b", 10))  # the same prompt: its blocks are a's, still being computed
+    sched.add(seq("c", 3, first=50))  # unrelated: admitted past the waiting b
+    output, _ = step(sched)
+    assert plan(output) == [("a", 10, [0, 1, 2], True), ("c", 3, [3], True)]
+    assert [s.request_id for s in sched.waiting] == ["b"]
+    output, _ = step(sched)  # a's two full blocks are cached now: b hits them
+    assert plan(output) == [("a", 1, [], False), ("c", 1, [], False),
+                            ("b", 2, [0, 1, 4], True)]
+    assert sched.running[-1].num_cached_tokens == 8
+    assert sched.kv.stats.hits == 8
+
+
+def test_a_waiting_prefix_sharer_keeps_its_place_until_chunks_are_cached():
+    sched = make(budget=6)
+    sched.add(seq("a", 13))
+    sched.add(seq("b", 13))
+    sched.add(seq("c", 13))
+    # a's prompt is prefilled in chunks; b and c wait for all of its blocks, not a partial hit
+    assert plan(step(sched)[0]) == [("a", 6, [0, 1], True)]
+    assert plan(step(sched)[0]) == [("a", 6, [2], False)]
+    assert [s.request_id for s in sched.waiting] == ["b", "c"]
+    # a's last token; b and c then get all three full blocks from the cache, in queue order
+    assert plan(step(sched)[0]) == [("a", 1, [3], False), ("b", 1, [0, 1, 2, 4], True),
+                                    ("c", 1, [0, 1, 2, 5], True)]
+    assert sched.kv.stats.hits == 24
+
+
+def test_a_prefix_owner_that_is_aborted_releases_its_waiters():
+    sched = make(budget=4)
+    sched.add(seq("a", 12))
+    sched.add(seq("b", 12))
+    assert plan(step(sched)[0]) == [("a", 4, [0], True)]
+    sched.finish("a", FinishReason.ABORT)
+    sched.kv.check_integrity()
+    output, _ = step(sched)  # a cached its first block before it went: b hits it
+    assert plan(output) == [("b", 4, [0, 1], True)]
+    assert not sched.waiting
