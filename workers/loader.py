@@ -44,21 +44,38 @@ def load_config(folder: Path) -> PretrainedConfig:
     return AutoConfig.from_pretrained(str(folder), local_files_only=True)
 
 
+def fused_kernels_by_default(device: str | torch.device, backend) -> bool:
+    """The fused Triton elementwise kernels go with the Triton attention backend on CUDA, so
+    ``attention_backend="reference"`` runs the model in plain PyTorch throughout."""
+    if torch.device(device).type != "cuda" or getattr(backend, "name", None) != "triton":
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def load_model(
     folder: str | Path,
     dtype: torch.dtype,
     device: str | torch.device,
     tp: TensorParallelGroup,
     backend,
+    fused: bool | None = None,
 ) -> tuple[torch.nn.Module, PretrainedConfig]:
-    """Returns (model in eval mode with this rank's shards loaded, config)."""
+    """Returns (model in eval mode with this rank's shards loaded, config).
+
+    fused: Triton kernels for RMSNorm, rotary and SiLU; None picks fused_kernels_by_default."""
+    if fused is None:
+        fused = fused_kernels_by_default(device, backend)
     folder = Path(folder)
     config = load_config(folder)
     model_class = model_class_for(config)
     files = weight_files(folder)  # fail before building a large model for nothing
     # built straight on the device; parameters are uninitialized until load_weights fills them
     with torch.device(device):
-        model = model_class(config, tp, backend)
+        model = model_class(config, tp, backend, fused=fused)
     model.to(dtype=dtype)  # keeps the Parameter objects, so weight_loader attributes survive
     model.load_weights(iterate_weights(files))
     return model.eval(), config

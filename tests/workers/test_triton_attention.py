@@ -4,16 +4,11 @@ Shapes are small because the interpreter runs every program in numpy. Block tabl
 shuffled, so a kernel that assumes contiguous blocks fails.
 """
 
-import os
+# the interpreter fixture; TRITON_INTERPRET itself is set by conftest.py
+from tests.workers.triton_interpreter import interpreter_fixes  # noqa: F401, I001
 
-# must be set before triton is imported anywhere; a missing triton fails these tests (no skip)
-os.environ["TRITON_INTERPRET"] = "1"
-
-import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
-import triton.language as tl  # noqa: E402
-from triton.runtime import interpreter  # noqa: E402
 
 from workers.attention.metadata import AttentionMetadata  # noqa: E402
 from workers.attention.reference import ReferenceAttentionBackend, paged_attention  # noqa: E402
@@ -22,39 +17,6 @@ from workers.attention.triton_decode import choose_num_splits, decode_attention 
 from workers.attention.triton_store import store_kv  # noqa: E402
 
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 2e-2}
-
-
-@pytest.fixture(autouse=True, scope="module")
-def interpreter_fixes():
-    """Two bugs of Triton 3.6's interpreter that the GPU compiler does not have, patched for
-    this module's tests only:
-
-    - it calls int() on a scalar held as a 1-element array, which numpy >= 2.4 refuses, so
-      ``range(start, end)`` over loaded bounds fails (triton-lang/triton#9171, fixed by #9172);
-    - it stores bfloat16 as uint16 and ``tl.dot`` multiplies those bit patterns
-      (triton-lang/triton#11584): convert bfloat16 operands to float32 first.
-    """
-    original_patch_tensor = interpreter._patch_lang_tensor
-    original_dot = interpreter.InterpreterBuilder.create_dot
-
-    def patch_lang_tensor(tensor, scope):
-        original_patch_tensor(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
-
-    def as_float32(handle):
-        if handle.dtype.scalar != tl.bfloat16:
-            return handle
-        data = interpreter._convert_float(handle.data, tl.bfloat16, tl.float32, None)
-        return interpreter.TensorHandle(data.view(np.float32), tl.float32)
-
-    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
-        a, b = as_float32(a), as_float32(b)
-        return original_dot(self, a, b, d, input_precision, max_num_imprecise_acc)
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(interpreter, "_patch_lang_tensor", patch_lang_tensor)
-        patch.setattr(interpreter.InterpreterBuilder, "create_dot", create_dot)
-        yield
 
 
 def make_batch(seq_lens, q_lens, heads, kv_heads, head_dim, block_size, dtype, seed=0):

@@ -17,3 +17,18 @@ class RMSNorm(nn.Module):
         variance = x.pow(2).mean(-1, keepdim=True)
         x = x * torch.rsqrt(variance + self.eps)
         return self.weight * x.to(input_dtype)
+
+
+class FusedRMSNorm(RMSNorm):
+    """RMSNorm in one Triton kernel; given the residual stream, it first adds x to it and returns
+    (normed, new residual), so a decoder layer carries the residual instead of adding it."""
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        # imported here: models built without the fused kernels must not need Triton
+        from workers.layers.fused_kernels import add_rms_norm, rms_norm
+
+        if residual is None:
+            return rms_norm(x, self.weight, self.eps)
+        return add_rms_norm(x, residual, self.weight, self.eps)

@@ -4,6 +4,11 @@ The families differ only in small switches (DecoderFlavor): Qwen2 adds q/k/v bia
 normalizes each query and key head before rotary and may set a head_dim other than
 hidden / heads. Module and parameter names follow the HF checkpoints, except that q/k/v_proj
 are fused into qkv_proj and gate/up_proj into gate_up_proj.
+
+With ``fused=True`` (CUDA with Triton) the small elementwise steps run as Triton kernels
+(workers/layers/fused_kernels.py) and, as in vLLM, each layer returns (hidden, residual): the
+next RMSNorm adds the residual in the same kernel. With ``fused=False`` the layers are plain
+PyTorch, operation for operation HF's, so float32 outputs match HF on the CPU.
 """
 
 from collections import defaultdict
@@ -23,9 +28,9 @@ from workers.layers.linear import (
     RowParallelLinear,
     copy_shard,
 )
-from workers.layers.norm import RMSNorm
+from workers.layers.norm import FusedRMSNorm, RMSNorm
 from workers.layers.parallel import TensorParallelGroup
-from workers.layers.rotary import RotaryEmbedding, apply_rotary
+from workers.layers.rotary import RotaryEmbedding, apply_rotary, apply_rotary_inplace
 
 # (fused parameter, checkpoint name, shard id): checkpoint tensors that load into a slice
 STACKED_PARAMS = (
@@ -77,10 +82,15 @@ def check_supported(config: PretrainedConfig) -> None:
         )
 
 
+def make_norm(size: int, eps: float, fused: bool) -> RMSNorm:
+    return FusedRMSNorm(size, eps) if fused else RMSNorm(size, eps)
+
+
 class LlamaAttention(nn.Module):
-    def __init__(self, config, tp: TensorParallelGroup, backend, flavor: DecoderFlavor):
+    def __init__(self, config, tp: TensorParallelGroup, backend, flavor: DecoderFlavor, fused):
         super().__init__()
         self.backend = backend
+        self.fused = fused
         self.head_dim = head_dim_of(config)
         self.scale = self.head_dim**-0.5
         self.qkv_proj = QKVParallelLinear(
@@ -90,8 +100,9 @@ class LlamaAttention(nn.Module):
         self.o_proj = RowParallelLinear(
             config.num_attention_heads * self.head_dim, config.hidden_size, tp, bias=flavor.o_bias
         )
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if flavor.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if flavor.qk_norm else None
+        eps = config.rms_norm_eps
+        self.q_norm = make_norm(self.head_dim, eps, fused) if flavor.qk_norm else None
+        self.k_norm = make_norm(self.head_dim, eps, fused) if flavor.qk_norm else None
 
     def forward(self, hidden, cos, sin, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)  # (T, (local_heads + 2 * local_kv_heads) * head_dim)
@@ -102,14 +113,18 @@ class LlamaAttention(nn.Module):
         v = v.view(-1, self.qkv_proj.num_local_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if self.fused:
+            apply_rotary_inplace(q, k, cos, sin)  # q, k: views of qkv (or the norms' outputs)
+        else:
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = self.backend.forward(q, k, v, k_cache, v_cache, meta, scale=self.scale)
         return self.o_proj(out.flatten(1))  # (T, heads, head_dim) → (T, hidden)
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config, tp: TensorParallelGroup, flavor: DecoderFlavor):
+    def __init__(self, config, tp: TensorParallelGroup, flavor: DecoderFlavor, fused: bool):
         super().__init__()
+        self.fused = fused
         size = config.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(
             config.hidden_size, [size, size], tp, flavor.mlp_bias
@@ -117,37 +132,65 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(size, config.hidden_size, tp, flavor.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            # imported here: models built without the fused kernels must not need Triton
+            from workers.layers.fused_kernels import silu_and_mul
+
+            return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # each (T, local_intermediate)
         return self.down_proj(F.silu(gate) * up)
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, tp: TensorParallelGroup, backend, flavor: DecoderFlavor):
+    def __init__(self, config, tp: TensorParallelGroup, backend, flavor: DecoderFlavor, fused):
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, tp, backend, flavor)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = LlamaMLP(config, tp, flavor)
+        size, eps = config.hidden_size, config.rms_norm_eps
+        self.input_layernorm = make_norm(size, eps, fused)
+        self.self_attn = LlamaAttention(config, tp, backend, flavor, fused)
+        self.post_attention_layernorm = make_norm(size, eps, fused)
+        self.mlp = LlamaMLP(config, tp, flavor, fused)
 
     def forward(self, hidden, cos, sin, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         attn_out = self.self_attn(self.input_layernorm(hidden), cos, sin, k_cache, v_cache, meta)
         hidden = hidden + attn_out
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
+    def forward_fused(
+        self, hidden, residual, cos, sin, k_cache, v_cache, meta: AttentionMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(hidden, residual) → (mlp output, residual before it); their sum is forward's output.
+        residual is None at the first layer, whose input is the embedding."""
+        if residual is None:
+            hidden, residual = self.input_layernorm(hidden), hidden
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, cos, sin, k_cache, v_cache, meta)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
 
 class LlamaModel(nn.Module):
-    def __init__(self, config, tp: TensorParallelGroup, backend, flavor: DecoderFlavor):
+    def __init__(self, config, tp: TensorParallelGroup, backend, flavor: DecoderFlavor, fused):
         super().__init__()
+        self.fused = fused
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, tp, backend, flavor) for _ in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, tp, backend, flavor, fused)
+            for _ in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = make_norm(config.hidden_size, config.rms_norm_eps, fused)
         self.rotary_emb = RotaryEmbedding(config, head_dim_of(config))
 
     def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)  # (T, hidden)
         cos, sin = self.rotary_emb(positions, hidden.dtype)  # (T, head_dim) each
+        if self.fused:
+            residual = None
+            for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
+                hidden, residual = layer.forward_fused(
+                    hidden, residual, cos, sin, k_cache, v_cache, meta
+                )
+            return self.norm(hidden, residual)[0]
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
             hidden = layer(hidden, cos, sin, k_cache, v_cache, meta)
         return self.norm(hidden)
@@ -163,12 +206,15 @@ def required_shards(name: str) -> set:
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: PretrainedConfig, tp: TensorParallelGroup, backend):
+    def __init__(
+        self, config: PretrainedConfig, tp: TensorParallelGroup, backend, fused: bool = False
+    ):
+        """fused: Triton kernels for norms, rotary and SiLU (see the module docstring)."""
         super().__init__()
         check_supported(config)
         self.config = config
         self.tie_word_embeddings = getattr(config, "tie_word_embeddings", False)
-        self.model = LlamaModel(config, tp, backend, DecoderFlavor.of(config))
+        self.model = LlamaModel(config, tp, backend, DecoderFlavor.of(config), fused)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

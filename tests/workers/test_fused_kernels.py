@@ -1,0 +1,124 @@
+"""The fused elementwise Triton kernels on the CPU (TRITON_INTERPRET=1) against the plain
+PyTorch layers, and whole models built with fused=True against fused=False."""
+
+# the interpreter fixture; TRITON_INTERPRET itself is set by conftest.py
+from tests.workers.triton_interpreter import interpreter_fixes  # noqa: F401, I001
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from tests.workers.test_models import prefill_then_decode, prompt  # noqa: E402
+from workers.attention.triton_backend import TritonAttentionBackend  # noqa: E402
+from workers.layers.fused_kernels import (  # noqa: E402
+    add_rms_norm,
+    rms_norm,
+    rotary_inplace,
+    silu_and_mul,
+)
+from workers.layers.norm import RMSNorm  # noqa: E402
+from workers.layers.parallel import TensorParallelGroup  # noqa: E402
+from workers.layers.rotary import apply_rotary  # noqa: E402
+from workers.loader import fused_kernels_by_default, load_model  # noqa: E402
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# bfloat16 is looser: the interpreter truncates to it where a GPU rounds (1 ulp = 2 ** -8)
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 2e-2}
+
+
+def randn(*shape, dtype=torch.float32, seed=0):
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def assert_close(got, expected, dtype):
+    assert got.dtype == expected.dtype and got.shape == expected.shape
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(got.float(), expected.float(), atol=tol, rtol=tol)
+
+
+def plain_norm(weight: torch.Tensor, eps: float) -> RMSNorm:
+    norm = RMSNorm(weight.shape[0], eps)
+    norm.weight.data = weight
+    return norm
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [64, 48])  # 48: a row narrower than its power-of-two block
+def test_add_rms_norm(dtype, hidden):
+    x, residual = randn(5, hidden, dtype=dtype), randn(5, hidden, dtype=dtype, seed=1)
+    weight, eps = 1 + 0.2 * randn(hidden, dtype=dtype, seed=2), 1e-6
+    normed, new_residual = add_rms_norm(x, residual, weight, eps)
+    expected_residual = x + residual
+    if dtype == torch.bfloat16:  # the interpreter truncates float32 to bfloat16; a GPU rounds
+        assert_close(new_residual, expected_residual, dtype)
+    else:
+        assert torch.equal(new_residual, expected_residual)
+    assert_close(normed, plain_norm(weight, eps)(expected_residual), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_of_hidden_states(dtype):
+    x, weight = randn(3, 64, dtype=dtype), 1 + 0.2 * randn(64, dtype=dtype, seed=2)
+    assert_close(rms_norm(x, weight, 1e-5), plain_norm(weight, 1e-5)(x), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_of_heads_in_a_strided_view(dtype):
+    qkv = randn(3, 8, 32, dtype=dtype)  # (T, q_heads + 2 * kv_heads, head_dim)
+    q = qkv[:, :4]  # (T, 4, 32), token stride 8 * 32
+    weight = 1 + 0.2 * randn(32, dtype=dtype, seed=2)
+    assert_close(rms_norm(q, weight, 1e-6), plain_norm(weight, 1e-6)(q), dtype)
+
+
+def cos_sin(num_tokens: int, head_dim: int, dtype):
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    freqs = torch.arange(3, 3 + num_tokens).float()[:, None] * inv_freq  # (T, head_dim/2)
+    emb = torch.cat((freqs, freqs), dim=-1)  # (T, head_dim)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [32, 24])  # 24: a half of 12, padded to 16
+def test_rotary_in_place_on_qkv_views(dtype, head_dim):
+    heads, kv_heads, num_tokens = 4, 2, 5
+    qkv = randn(num_tokens, heads + 2 * kv_heads, head_dim, dtype=dtype)
+    q, k, v = qkv[:, :heads], qkv[:, heads : heads + kv_heads], qkv[:, heads + kv_heads :]
+    cos, sin = cos_sin(num_tokens, head_dim, dtype)
+    expected_q, expected_k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+    v_before = v.clone()
+    rotary_inplace(q, k, cos, sin)
+    assert_close(q, expected_q, dtype)
+    assert_close(k, expected_k, dtype)
+    assert torch.equal(v, v_before)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("width", [128, 2 * 1500])  # 1500: two programs a row, the last masked
+def test_silu_and_mul(dtype, width):
+    gate_up = 3 * randn(3, width, dtype=dtype)
+    gate, up = gate_up.chunk(2, dim=-1)
+    assert_close(silu_and_mul(gate_up), F.silu(gate) * up, dtype)
+
+
+def test_empty_batch():
+    assert rms_norm(torch.empty(0, 64), torch.ones(64), 1e-6).shape == (0, 64)
+    assert silu_and_mul(torch.empty(0, 128)).shape == (0, 64)
+
+
+def test_fused_by_default_only_on_cuda_with_the_triton_backend():
+    assert not fused_kernels_by_default("cpu", TritonAttentionBackend())
+    assert fused_kernels_by_default("cuda", TritonAttentionBackend())
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3"])  # qwen3: per-head q/k norms
+def test_fused_model_matches_plain(tiny_models, name):
+    def load(fused):
+        tp, backend = TensorParallelGroup.single(), TritonAttentionBackend()
+        return load_model(tiny_models[name], torch.float32, "cpu", tp, backend, fused=fused)
+
+    (plain, config), (fused, _) = load(False), load(True)
+    assert fused.model.fused and not plain.model.fused
+    ids = prompt(config.vocab_size)
+    expected = prefill_then_decode(plain, config, ids)  # [prefill logits, decode logits]
+    for got, want in zip(prefill_then_decode(fused, config, ids), expected, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
