@@ -45,6 +45,9 @@ class ShardActor:
             on_gpu = self.config.device.startswith("cuda")
             if on_gpu:
                 torch.cuda.set_device(0)  # Ray exposes exactly one GPU to this actor
+                # decode CUDA graphs capture NCCL collectives: no recordStream on their buffers
+                # (read when the process group is made)
+                os.environ.setdefault("TORCH_NCCL_AVOID_RECORD_STREAMS", "1")
             dist.init_process_group(
                 "nccl" if on_gpu else "gloo", init_method=f"tcp://{address}",
                 rank=self.rank, world_size=self.world_size, timeout=timedelta(minutes=5),
@@ -63,6 +66,11 @@ class ShardActor:
     def execute(self, step: StepInput) -> StepOutput | None:
         assert self.worker is not None
         return self.worker.execute(step)
+
+    def uses_cuda_graphs(self) -> bool:
+        """Whether decode steps replay CUDA graphs (all ranks agree at capture)."""
+        assert self.worker is not None
+        return self.worker.graphs is not None
 
     def pid(self) -> int:
         return os.getpid()

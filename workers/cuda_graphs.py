@@ -14,9 +14,16 @@ of B rows. A batch of n <= B sequences fills the first n rows; the padding rows 
 The decode kernel's split count is fixed per bucket at capture (chosen for the longest
 context), since ``max_seq_len`` changes every step and the graph cannot follow it.
 Host inputs go through one pinned buffer and one non-blocking copy per step.
+
+Under tensor parallelism the graphs hold the layers' NCCL all-reduces (NCCL >= 2.9.6 can be
+captured). That is sound because every rank runs the same steps: each captures the same buckets
+in the same order, and each replays the same bucket each step. Whether to replay is decided
+once for all ranks (``capture_on_every_rank``): graphs on every rank, or on none.
 """
 
 import bisect
+import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -26,9 +33,13 @@ from workers.attention.metadata import AttentionMetadata
 from workers.attention.triton_backend import num_sms
 from workers.attention.triton_decode import choose_num_splits
 from workers.input_batch import DecodeRows
+from workers.layers.parallel import TensorParallelGroup
+
+log = logging.getLogger(__name__)
 
 MAX_CAPTURE_SIZE = 256
 NUM_FIELDS = 4  # input_ids, positions, slots, seq_lens; then the block table
+MIN_NCCL_FOR_CAPTURE = (2, 9, 6)  # the first NCCL whose collectives a CUDA graph can capture
 
 
 def capture_sizes(max_num_seqs: int, cap: int = MAX_CAPTURE_SIZE) -> list[int]:
@@ -144,22 +155,37 @@ class DecodeGraphs:
         kv_heads = self.kv_caches[0][0].shape[2]
         return choose_num_splits(bucket, kv_heads, self.max_model_len, num_sms(self.device))
 
+    def args(self, bucket: int) -> tuple:
+        meta = self.inputs.metadata(bucket, self.max_model_len, self.num_splits(bucket))
+        return self.inputs.input_ids[:bucket], self.inputs.positions[:bucket], self.kv_caches, meta
+
     @torch.inference_mode()
-    def capture(self) -> None:
-        """Largest bucket first, all sharing one memory pool; the inputs are all padding, so
-        warm-up and capture write nothing to the cache."""
-        pool = torch.cuda.graph_pool_handle()
+    def warm_up(self) -> None:
+        """One eager forward per bucket: compiles the Triton kernels, sets up cuBLAS and (under
+        tensor parallelism) NCCL's channels outside any capture. The inputs are all padding,
+        so nothing is written to the cache. Runs collectives: every rank calls it, or none."""
         for bucket in reversed(self.sizes):
-            meta = self.inputs.metadata(bucket, self.max_model_len, self.num_splits(bucket))
-            args = (self.inputs.input_ids[:bucket], self.inputs.positions[:bucket],
-                    self.kv_caches, meta)
-            self.model(*args)  # compiles Triton kernels and sets up cuBLAS outside the capture
-            torch.cuda.synchronize(self.device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.outputs[bucket] = self.model(*args)
-            self.graphs[bucket] = graph
+            self.model(*self.args(bucket))
         torch.cuda.synchronize(self.device)
+
+    @torch.inference_mode()
+    def capture(self, capture_error_mode: str = "global") -> str | None:
+        """Captures every bucket, largest first, all sharing one memory pool; returns why it
+        failed, or None. Capturing launches no kernel, so a rank failing here leaves no other
+        rank waiting in a collective; the ranks agree afterwards (``capture_on_every_rank``)."""
+        try:
+            pool = torch.cuda.graph_pool_handle()
+            for bucket in reversed(self.sizes):
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, capture_error_mode=capture_error_mode):
+                    self.outputs[bucket] = self.model(*self.args(bucket))
+                self.graphs[bucket] = graph
+            torch.cuda.synchronize(self.device)
+        except Exception as error:  # noqa: BLE001 - any failure means: run eagerly
+            self.graphs.clear()
+            self.outputs.clear()
+            return f"capture failed: {error!r}"
+        return None
 
     def run(self, rows: DecodeRows) -> torch.Tensor | None:
         """Hidden states (n, hidden) of the step's n sequences, or None when no graph fits."""
@@ -175,3 +201,60 @@ class DecodeGraphs:
         self.inputs.load(self.packed[:size], bucket, width)
         self.graphs[bucket].replay()
         return self.outputs[bucket][:n]
+
+
+def nccl_version_tuple(version: int | tuple[int, ...]) -> tuple[int, ...]:
+    """torch.cuda.nccl.version() as (major, minor, patch); old torch returns one int code."""
+    if isinstance(version, tuple):
+        return version
+    if version >= 10000:  # NCCL >= 2.9: major * 10000 + minor * 100 + patch
+        return (version // 10000, version // 100 % 100, version % 100)
+    return (version // 1000, version // 100 % 10, version % 100)
+
+
+def collective_capture_problem(tp_size: int,
+                               nccl_version: int | tuple[int, ...] | None) -> str | None:
+    """Why this rank's NCCL cannot be captured in a graph, or None (always None for one rank)."""
+    if tp_size == 1:
+        return None
+    if nccl_version is None:
+        return "no NCCL to capture collectives with"
+    version = nccl_version_tuple(nccl_version)
+    if version < MIN_NCCL_FOR_CAPTURE:
+        return f"NCCL {'.'.join(map(str, version))} cannot capture collectives (needs >= 2.9.6)"
+    return None
+
+
+def capture_on_every_rank(make_graphs: Callable[[], "DecodeGraphs"], tp: TensorParallelGroup,
+                          device: torch.device,
+                          nccl_version: Callable[[], object] = lambda: torch.cuda.nccl.version(),
+                          ) -> "DecodeGraphs | None":
+    """The decode graphs if every rank of the group captured them, else None on every rank.
+
+    Under tensor parallelism a graph holds NCCL collectives: a rank replaying one while another
+    runs eagerly would issue collectives that never match (a hang, or silent garbage). So the
+    ranks agree twice, each time by a MIN all-reduce of a success flag that every rank joins:
+
+        set up (buffers, NCCL check) -> agree -> warm up (eager, collectives) -> capture
+        (records only) -> agree -> serve with graphs, or drop them everywhere
+
+    The warm-up runs only once all ranks can run it, so its collectives always match.
+    """
+    graphs, problem = None, None
+    try:
+        graphs = make_graphs()
+        problem = collective_capture_problem(tp.size, nccl_version() if tp.size > 1 else None)
+    except Exception as error:  # noqa: BLE001 - any failure means: run eagerly
+        problem = f"setup failed: {error!r}"
+    if tp.all_true(problem is None, device):
+        graphs.warm_up()
+        # thread-local capture under TP: NCCL's watchdog thread may query events meanwhile
+        problem = graphs.capture("thread_local" if tp.size > 1 else "global")
+        if tp.all_true(problem is None, device):
+            return graphs
+    log.warning("rank %d: decode CUDA graphs off on all %d rank(s), every step runs eagerly: "
+                "%s", tp.rank, tp.size, problem or "another rank could not capture")
+    del graphs
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return None

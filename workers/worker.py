@@ -70,9 +70,9 @@ class Worker:
         self.sampler = Sampler(generator)
         self.states: dict[str, RequestState] = {}
         self.kv_caches: KVCaches = []
-        self.graphs = None  # DecodeGraphs once captured (GPU, Triton, one rank)
+        self.graphs = None  # DecodeGraphs once captured (GPU, Triton; every rank or none)
         self.uses_graphs = (self.device.type == "cuda" and not config.enforce_eager
-                            and backend.name == "triton" and self.tp.size == 1)
+                            and backend.name == "triton")
 
     @property
     def is_driver(self) -> bool:
@@ -112,14 +112,16 @@ class Worker:
     def init_kv_cache(self, num_blocks: int) -> None:
         """Allocates the cache, then captures the decode graphs that read it."""
         self._allocate_kv_cache(num_blocks)
-        if self.uses_graphs:
-            from workers.cuda_graphs import DecodeGraphs
+        if self.uses_graphs:  # the same on every rank: config, backend and device type
+            from workers.cuda_graphs import DecodeGraphs, capture_on_every_rank
 
             max_model_len = min(self.hf_config.max_position_embeddings,
                                 num_blocks * self.config.block_size)
-            self.graphs = DecodeGraphs(self.model, self.kv_caches, self.config.max_num_seqs,
-                                       max_model_len, self.config.block_size, self.device)
-            self.graphs.capture()
+            self.graphs = capture_on_every_rank(
+                lambda: DecodeGraphs(self.model, self.kv_caches, self.config.max_num_seqs,
+                                     max_model_len, self.config.block_size, self.device),
+                self.tp, self.device,
+            )
 
     def _allocate_kv_cache(self, num_blocks: int) -> None:
         self.graphs = None  # graphs hold the old cache's addresses
@@ -142,8 +144,9 @@ class Worker:
         if self.graphs is not None:
             rows = build_decode_rows(step.scheduled, self.states, self.config.block_size)
             hidden = self.graphs.run(rows) if rows is not None else None
-            if hidden is not None:
-                return self._sample(rows.request_ids, self.model.compute_logits(hidden))
+            if hidden is not None:  # every rank replayed the same bucket: graphs run in lockstep
+                logits = self.model.compute_logits(hidden)  # a collective under TP
+                return self._sample(rows.request_ids, logits) if self.is_driver else None
         batch = build_input_batch(step.scheduled, self.states, self.config.block_size,
                                   self.device)
         hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)

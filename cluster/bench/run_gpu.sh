@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU runs of docs/benchmarks.md, in one go: GPU tests, the attention check, W1, W2, W4.
+# The one-GPU runs of docs/benchmarks.md, in one go: GPU tests, kernel checks, W1, W2, W4.
 # Usage: OUT=<folder> bash cluster/bench/run_gpu.sh   (each stage has its own time limit)
 set -o pipefail
 export PYTHONUNBUFFERED=1 TANDEM_CACHE_DIR=${TANDEM_CACHE_DIR:-/tmp/tandem-cache}
@@ -7,11 +7,14 @@ OUT=${OUT:-bench-results}; mkdir -p "$OUT"
 LOG="$OUT/log.txt"; ERR="$OUT/stderr.txt"
 stage() { echo "== $1" | tee -a "$LOG"; shift; timeout "$@" 2>>"$ERR" | tee -a "$LOG"; echo "rc=$?" | tee -a "$LOG"; }
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv | tee -a "$LOG"
-stage "gpu tests" 60 python -m pytest -q -p no:cacheprovider -m gpu tests/workers/test_cuda_graphs.py
+stage "gpu tests" ${TESTS_TIME:-90} python -m pytest -q -p no:cacheprovider -m gpu tests/workers \
+  --ignore=tests/workers/test_tp_graphs.py
+stage "fused kernels" ${FUSED_TIME:-60} python -m workers.layers.check_fused
 stage "W1 latency" ${W1_TIME:-110} python -m cluster.bench latency --shape llama-3.2-1b \
   --compare-backends --profile --output "$OUT/w1.json"
 stage "W2 throughput" ${W2_TIME:-170} python -m cluster.bench throughput --shape qwen3-0.6b \
-  --hf-batch-sizes 16,64,256 --hf-max-new-tokens 256 --hf-batch-requests 64 --output "$OUT/w2.json"
+  --hf-batch-sizes ${W2_HF_BATCHES:-256} --hf-max-new-tokens 256 --hf-batch-requests 0 \
+  --output "$OUT/w2.json"
 stage "W4 prefix" ${W4_TIME:-170} python -m cluster.bench prefix --shape llama-3.2-1b \
   --max-num-seqs 1024 --max-num-batched-tokens 8192 --output "$OUT/w4.json"
 stage "attention" ${ATTN_TIME:-70} python -m workers.attention.bench_attention

@@ -89,3 +89,94 @@ def test_graph_replay_matches_eager(tiny_models):
         assert (llm.engine.executor.worker.graphs is None) == eager
         outs[eager] = [o.token_ids for o in llm.generate(prompts, params)]
     assert outs[True] == outs[False]
+
+
+def test_collective_capture_problem():
+    from workers.cuda_graphs import collective_capture_problem
+
+    assert collective_capture_problem(1, None) is None  # one rank: no collectives in the graph
+    assert collective_capture_problem(2, (2, 9, 6)) is None
+    assert collective_capture_problem(2, (2, 27, 3)) is None
+    assert collective_capture_problem(2, 21806) is None  # old torch: one int, 2.18.6
+    assert "2.8.4" in collective_capture_problem(2, (2, 8, 4))
+    assert "2.7.8" in collective_capture_problem(2, 2708)  # NCCL < 2.9 codes: 2708 = 2.7.8
+    assert collective_capture_problem(2, None) is not None
+
+
+class FakeGroup:
+    """A TP group whose other ranks answer ``others`` to each agreement, in order."""
+
+    def __init__(self, others: list[bool], size: int = 2) -> None:
+        self.rank, self.size, self.others, self.asked = 0, size, list(others), []
+
+    def all_true(self, flag: bool, device) -> bool:
+        self.asked.append(flag)
+        return flag and self.others.pop(0)
+
+
+class FakeGraphs:
+    def __init__(self, problem=None):
+        self.problem, self.calls = problem, []
+
+    def warm_up(self):
+        self.calls.append("warm_up")
+
+    def capture(self, capture_error_mode):
+        self.calls.append(capture_error_mode)
+        return self.problem
+
+
+def capture(graphs, group, nccl=(2, 21, 5)):
+    from workers.cuda_graphs import capture_on_every_rank
+
+    def make():
+        if isinstance(graphs, Exception):
+            raise graphs
+        return graphs
+
+    return capture_on_every_rank(make, group, torch.device("cpu"), lambda: nccl)
+
+
+def test_every_rank_captured_gives_graphs():
+    graphs, group = FakeGraphs(), FakeGroup([True, True])
+    assert capture(graphs, group) is graphs
+    assert graphs.calls == ["warm_up", "thread_local"] and group.asked == [True, True]
+
+
+def test_one_rank_captures_alone_and_runs_graphs():
+    graphs, group = FakeGraphs(), FakeGroup([], size=1)
+    group.all_true = lambda flag, device: flag  # TensorParallelGroup.single()
+    assert capture(graphs, group, nccl=None) is graphs
+    assert graphs.calls == ["warm_up", "global"]
+
+
+def test_a_local_capture_failure_turns_graphs_off_after_agreeing():
+    graphs, group = FakeGraphs(problem="capture failed"), FakeGroup([True, False])
+    assert capture(graphs, group) is None
+    assert group.asked == [True, False]  # it still joins the second agreement
+
+
+def test_another_ranks_failure_turns_graphs_off_here_too():
+    graphs, group = FakeGraphs(), FakeGroup([True, False])
+    assert capture(graphs, group) is None
+    assert graphs.calls == ["warm_up", "thread_local"] and group.asked == [True, True]
+
+
+def test_a_failed_setup_skips_the_warm_up_on_every_rank():
+    for graphs, nccl in ((RuntimeError("out of pinned memory"), (2, 21, 5)),
+                         (FakeGraphs(), (2, 8, 4))):
+        group = FakeGroup([True])
+        assert capture(graphs, group, nccl) is None
+        assert group.asked == [False]  # one agreement, then no collective at all
+        if isinstance(graphs, FakeGraphs):
+            assert graphs.calls == []
+    graphs, group = FakeGraphs(), FakeGroup([False])  # the other rank's setup failed
+    assert capture(graphs, group) is None and graphs.calls == []
+
+
+def test_uses_graphs_needs_cuda_triton_and_no_enforce_eager(tiny_models):
+    from workers.worker import Worker, WorkerConfig
+
+    worker = Worker(WorkerConfig(str(tiny_models["llama"])))
+    assert not worker.uses_graphs  # CPU: eager, reference attention
+

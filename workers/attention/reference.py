@@ -2,6 +2,16 @@
 
 KV cache layout, per layer: ``k_cache`` and ``v_cache`` of shape
 (num_blocks, block_size, num_kv_heads, head_dim).
+
+Each sequence is one SDPA call in the form of HuggingFace's sdpa attention, so that on the CPU
+in float32 greedy output stays token-identical to ``generate()`` (the calls below give HF's
+bits exactly): 4-D tensors, grouped KV heads handed to SDPA (``enable_gqa``) rather than
+repeated, and no mask where HF passes none. A decode token sees its whole context (no mask); a
+whole prompt is ``is_causal``. Only a chunk after cached tokens needs an explicit mask.
+
+Why not one padded call for a step's decode rows: on the CPU a masked SDPA is several times
+slower than an unmasked one, so the padded call lost to the per-sequence calls (and changed the
+rounding: the kernel blocks a padded row's keys differently).
 """
 
 import torch
@@ -28,8 +38,33 @@ def gather_context(
     """The first seq_len cached rows of one sequence: (seq_len, kv_heads, head_dim)."""
     block_size = cache.shape[1]
     num_blocks = -(-seq_len // block_size)
-    blocks = cache[block_table[:num_blocks].long()]  # (n, block_size, kv_heads, head_dim)
+    # index_select copies whole blocks: several times faster than cache[ids] on the CPU
+    blocks = torch.index_select(cache, 0, block_table[:num_blocks])  # (n, bs, kv_heads, hd)
     return blocks.flatten(0, 1)[:seq_len]
+
+
+def attend_one(
+    q: torch.Tensor,  # (q_len, heads, head_dim): the sequence's new tokens
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_len: int,
+    scale: float,
+) -> torch.Tensor:
+    """One sequence's new tokens over its seq_len tokens of context: (q_len, heads, hd)."""
+    q_len = q.shape[0]
+    qi = q.transpose(0, 1)[None]  # (1, heads, q_len, hd)
+    ki = gather_context(k_cache, block_table, seq_len).transpose(0, 1)[None]  # (1, kvh, L, hd)
+    vi = gather_context(v_cache, block_table, seq_len).transpose(0, 1)[None]
+    mask = None
+    if 1 < q_len < seq_len:  # query j sits at position seq_len - q_len + j, sees keys <= it
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
+        mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]
+    out = F.scaled_dot_product_attention(
+        qi, ki.to(qi.dtype), vi.to(qi.dtype), attn_mask=mask, scale=scale,
+        is_causal=1 < q_len == seq_len, enable_gqa=qi.shape[1] != ki.shape[1],
+    )  # (1, heads, q_len, hd)
+    return out[0].transpose(0, 1)
 
 
 def paged_attention(
@@ -40,24 +75,13 @@ def paged_attention(
     scale: float,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its whole cached context."""
-    num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
     out = torch.empty_like(q)
     start = 0
     lengths = zip(meta.query_lens_cpu, meta.seq_lens_cpu, strict=True)
     for i, (q_len, seq_len) in enumerate(lengths):
-        qi = q[start : start + q_len].transpose(0, 1)  # (heads, q_len, head_dim)
-        ki = gather_context(k_cache, meta.block_tables[i], seq_len).transpose(0, 1)
-        vi = gather_context(v_cache, meta.block_tables[i], seq_len).transpose(0, 1)
-        if num_kv_heads != num_heads:  # GQA: each KV head serves a group of query heads
-            ki = ki.repeat_interleave(num_heads // num_kv_heads, dim=0)
-            vi = vi.repeat_interleave(num_heads // num_kv_heads, dim=0)
-        # query j sits at position seq_len - q_len + j and sees keys at positions <= it
-        q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
-        mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]
-        oi = F.scaled_dot_product_attention(
-            qi, ki.to(qi.dtype), vi.to(qi.dtype), attn_mask=mask, scale=scale
-        )  # (heads, q_len, head_dim)
-        out[start : start + q_len] = oi.transpose(0, 1)
+        out[start : start + q_len] = attend_one(
+            q[start : start + q_len], k_cache, v_cache, meta.block_tables[i], seq_len, scale
+        )
         start += q_len
     return out
 

@@ -2,12 +2,19 @@
 
 Layers never read a module global to learn their rank: two engines (or a test running TP=1 next
 to TP=2) can live in one process, each with its own group.
+
+The collectives are written to be capturable in a CUDA graph (NCCL >= 2.9.6): ``all_reduce``
+works in place, ``all_gather`` fills one preallocated tensor (``all_gather_into_tensor``), not
+a list of tensors.
 """
 
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+# torch >= 2.13 renames all_gather_into_tensor (and warns on the old name); same collective
+gather_into_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 @dataclass(frozen=True)
@@ -38,6 +45,14 @@ class TensorParallelGroup:
         if self.size == 1:
             return t
         t = t.contiguous()
-        parts = [torch.empty_like(t) for _ in range(self.size)]
-        dist.all_gather(parts, t, group=self.group)
-        return torch.cat(parts, dim=dim)
+        gathered = t.new_empty((self.size * t.shape[0], *t.shape[1:]))  # rank r: rows r*N..
+        gather_into_tensor(gathered, t, group=self.group)
+        return torch.cat(gathered.chunk(self.size), dim=dim)
+
+    def all_true(self, flag: bool, device: torch.device) -> bool:
+        """Whether flag holds on every rank (a MIN all-reduce); every rank must call it."""
+        if self.size == 1:
+            return flag
+        value = torch.tensor([int(flag)], dtype=torch.int32, device=device)
+        dist.all_reduce(value, op=dist.ReduceOp.MIN, group=self.group)
+        return bool(value.item())

@@ -1,0 +1,46 @@
+"""TensorParallelGroup's collectives over two real gloo processes (CPU)."""
+
+import socket
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from workers.layers.parallel import TensorParallelGroup
+
+
+def run_rank(rank: int, port: int, results) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2)
+    try:
+        tp = TensorParallelGroup.from_process_group()
+        cpu = torch.device("cpu")
+        local = torch.arange(6.0).view(2, 3) + 10 * rank  # (2, 3)
+        results[rank] = {
+            "gather_last": tp.all_gather(local, dim=-1).tolist(),  # (2, 6)
+            "gather_first": tp.all_gather(local, dim=0).tolist(),  # (4, 3)
+            "one_false": tp.all_true(rank == 0, cpu),
+            "all_true": tp.all_true(True, cpu),
+            "reduce": tp.all_reduce(torch.ones(2) * (rank + 1)).tolist(),
+        }
+    finally:
+        dist.destroy_process_group()
+
+
+def test_collectives_over_two_gloo_ranks():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(run_rank, args=(port, results), nprocs=2)
+        results = dict(results)
+    expected = {
+        "gather_last": [[0.0, 1.0, 2.0, 10.0, 11.0, 12.0], [3.0, 4.0, 5.0, 13.0, 14.0, 15.0]],
+        "gather_first": [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0], [10.0, 11.0, 12.0],
+                         [13.0, 14.0, 15.0]],
+        "one_false": False,  # the ranks agree: graphs only when every rank captured
+        "all_true": True,
+        "reduce": [3.0, 3.0],
+    }
+    assert results == {0: expected, 1: expected}
