@@ -7,8 +7,8 @@ OUT=${OUT:-bench-results}; mkdir -p "$OUT"
 LOG="$OUT/log.txt"; ERR="$OUT/stderr.txt"
 stage() { echo "== $1" | tee -a "$LOG"; shift; timeout "$@" 2>>"$ERR" | tee -a "$LOG"; echo "rc=$?" | tee -a "$LOG"; }
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv | tee -a "$LOG"
-stage "gpu tests" ${TESTS_TIME:-90} python -m pytest -q -p no:cacheprovider -m gpu tests/workers \
-  --ignore=tests/workers/test_tp_graphs.py
+stage "gpu tests" ${TESTS_TIME:-90} python -m pytest -q -p no:cacheprovider -m gpu tests/workers/test_cuda_graphs.py \
+  tests/workers/test_fused_kernels.py
 stage "fused kernels" ${FUSED_TIME:-60} python -m workers.layers.check_fused
 stage "W1 latency" ${W1_TIME:-110} python -m cluster.bench latency --shape llama-3.2-1b \
   --compare-backends --profile --output "$OUT/w1.json"

@@ -194,7 +194,10 @@ def serve_bench(args: argparse.Namespace) -> int:
 async def _serve_bench(args: argparse.Namespace, loads: list[Load]) -> int:
     import socket
 
-    import httpx2 as httpx
+    try:  # the openai client of this venv brings httpx2; elsewhere plain httpx is there
+        import httpx2 as httpx
+    except ImportError:
+        import httpx
     import ray
     from ray import serve
 
