@@ -49,8 +49,12 @@ class ReplicaActor:
 
     async def generate(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams
-    ) -> AsyncIterator[RequestDelta]:
-        """What the request gains each step, as deltas (TandemCluster rebuilds outputs)."""
+    ) -> AsyncIterator[list[RequestDelta]]:
+        """What the request gains, as deltas (TandemCluster rebuilds outputs).
+
+        Deltas that queued up while the caller was busy travel together as one list: under
+        load a stream sends one message per batch of steps instead of one per token.
+        """
         await self.ready.wait()  # a request that arrives during a rebuild waits for it
         engine = self._engine()
         engine.check_prompt(prompt_ids)  # refuse bad input before anything is queued
@@ -62,11 +66,15 @@ class ReplicaActor:
         finished = False
         try:
             while not finished:
-                item = await queue.get()
-                if isinstance(item, Exception):
-                    raise item
-                finished = item.finished
-                yield item
+                batch = [await queue.get()]
+                while not queue.empty() and not isinstance(batch[-1], Exception):
+                    batch.append(queue.get_nowait())
+                error = batch.pop() if isinstance(batch[-1], Exception) else None
+                if batch:
+                    finished = batch[-1].finished
+                    yield batch  # type: ignore[misc]
+                if error is not None:
+                    raise error
         finally:
             self.queues.pop(request_id, None)
             if not finished:  # the caller went away (or failed): free everything now

@@ -55,7 +55,8 @@ class TandemCluster:
         accumulator = OutputAccumulator()
         try:
             async for ref in stream:
-                output = accumulator.add(await ref)
+                for delta in await ref:  # one or more steps' deltas, in order
+                    output = accumulator.add(delta)
                 finished = output.finished
                 yield output
         finally:

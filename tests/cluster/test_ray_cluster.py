@@ -58,7 +58,8 @@ def test_two_replicas_serve_concurrent_streams(ray_session, tiny_models):
         results = asyncio.run(run_all())
         expected = hf_greedy(folder, PROMPTS)
         assert [out.token_ids for out, _ in results] == expected * 4
-        assert all(out.finished and count == 12 for out, count in results)  # one per token
+        # at most one output per token: steps that queued up while the caller was busy merge
+        assert all(out.finished and 1 <= count <= 12 for out, count in results)
         stats = asyncio.run(cluster.stats())
         # least-loaded placement spread the 12 requests over both replicas
         assert [s.prefix_cache_queries > 0 for s in stats] == [True, True]
