@@ -34,7 +34,8 @@ serve: install
 	$(TANDEM) serve --model smollm2-135m-instruct --host 127.0.0.1 --port 8000
 
 bench: install
-	$(TANDEM) bench throughput --model smollm2-135m-instruct --num-prompts 32
+	$(TANDEM) bench throughput --model smollm2-135m-instruct --num-requests 32 --min-len 100 \
+	  --max-len 512 --hf-batch-sizes 8,32 --hf-max-new-tokens 128 --hf-batch-requests 0
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache
