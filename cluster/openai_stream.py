@@ -4,7 +4,7 @@
 out), so a delta is a plain slice and a stop string never leaks, even across chunks.
 """
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
@@ -92,59 +92,52 @@ class StreamContext:
 
 
 async def completion_events(stream: Stream, ctx: StreamContext) -> AsyncIterator[str]:
-    tracker = DeltaTracker(ctx.n, token_chunks=ctx.tokenizer is None)
-
-    def chunk(choices: list[CompletionChoice], usage: Usage | None = None) -> str:
+    def chunk(choices: list, usage: Usage | None = None) -> str:
         return event(CompletionResponse(id=ctx.request_id, model=ctx.model, created=ctx.created,
                                         choices=choices, usage=usage))
 
-    async def body() -> AsyncIterator[str]:
-        async for prompt_index, output in stream:
-            choices = [
-                CompletionChoice(
-                    index=d.index, text=d.text, finish_reason=d.finish_reason,
-                    stop_reason=d.stop_reason,
-                    logprobs=None if d.logprobs is None else completion_logprobs(
-                        ctx.tokenizer, d.logprobs, d.text_offset),
-                )
-                for d in tracker.deltas(prompt_index, output)
-            ]
-            if choices:
-                yield chunk(choices)
-        if ctx.include_usage:
-            yield chunk([], tracker.usage(ctx.prompts))
+    def choice(d: Delta) -> CompletionChoice:
+        logprobs = None if d.logprobs is None else completion_logprobs(
+            ctx.tokenizer, d.logprobs, d.text_offset)
+        return CompletionChoice(index=d.index, text=d.text, finish_reason=d.finish_reason,
+                                stop_reason=d.stop_reason, logprobs=logprobs)
 
-    async for text in guarded(stream, body()):
+    async for text in guarded(stream, choice_events(stream, ctx, chunk, choice)):
         yield text
 
 
 async def chat_events(stream: Stream, ctx: StreamContext) -> AsyncIterator[str]:
-    tracker = DeltaTracker(ctx.n, token_chunks=ctx.tokenizer is None)
-
-    def chunk(choices: list[ChatChunkChoice], usage: Usage | None = None) -> str:
+    def chunk(choices: list, usage: Usage | None = None) -> str:
         return event(ChatCompletionChunk(id=ctx.request_id, model=ctx.model, created=ctx.created,
                                          choices=choices, usage=usage))
 
-    async def body() -> AsyncIterator[str]:
-        yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
-                     for i in range(ctx.n)])
-        async for prompt_index, output in stream:
-            choices = [
-                ChatChunkChoice(
-                    index=d.index, delta=DeltaMessage(content=d.text),
-                    finish_reason=d.finish_reason, stop_reason=d.stop_reason,
-                    logprobs=None if d.logprobs is None else chat_logprobs(ctx.tokenizer,
-                                                                           d.logprobs),
-                )
-                for d in tracker.deltas(prompt_index, output)
-            ]
-            if choices:
-                yield chunk(choices)
-        if ctx.include_usage:
-            yield chunk([], tracker.usage(ctx.prompts))
+    def choice(d: Delta) -> ChatChunkChoice:
+        logprobs = None if d.logprobs is None else chat_logprobs(ctx.tokenizer, d.logprobs)
+        return ChatChunkChoice(index=d.index, delta=DeltaMessage(content=d.text),
+                               finish_reason=d.finish_reason, stop_reason=d.stop_reason,
+                               logprobs=logprobs)
 
-    async for text in guarded(stream, body()):
+    # a chat stream opens with the assistant's role, one chunk for every choice
+    opening = [ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
+               for i in range(ctx.n)]
+    async for text in guarded(stream, choice_events(stream, ctx, chunk, choice, opening)):
         yield text
+
+
+async def choice_events(
+    stream: Stream, ctx: StreamContext, chunk: Callable[..., str],
+    choice: Callable[[Delta], BaseModel], opening: list | None = None,
+) -> AsyncIterator[str]:
+    """One SSE chunk per engine output that adds something, then the usage chunk if asked."""
+    tracker = DeltaTracker(ctx.n, token_chunks=ctx.tokenizer is None)
+    if opening:
+        yield chunk(opening)
+    async for prompt_index, output in stream:
+        choices = [choice(d) for d in tracker.deltas(prompt_index, output)]
+        if choices:
+            yield chunk(choices)
+    if ctx.include_usage:
+        yield chunk([], tracker.usage(ctx.prompts))
 
 
 async def guarded(stream: Stream, events: AsyncIterator[str]) -> AsyncIterator[str]:
