@@ -3,6 +3,7 @@
 from dataclasses import dataclass
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
+AUTO_GPU_DECODE_STEPS = 8  # tokens per host round trip; a request waits at most this many
 
 
 @dataclass(frozen=True)
@@ -19,6 +20,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"  # auto | reference | triton
     enforce_eager: bool = False  # no CUDA graphs for decode steps
+    # decode steps one call to the workers may run back to back when every request decodes
+    # (no host round trip between them); 0: auto, 8 on a GPU and 1 on the CPU
+    decode_steps: int = 0
     cpu_kv_cache_gb: float = 1.0
     gpu_memory_utilization: float = 0.9
     tensor_parallel_size: int = 1
@@ -37,6 +41,8 @@ class EngineConfig:
              f"max_model_len must be at least 2, got {self.max_model_len}"),
             (self.max_prefill_chunk >= 0,
              f"max_prefill_chunk must be >= 0, got {self.max_prefill_chunk}"),
+            (0 <= self.decode_steps <= 64,
+             f"decode_steps must be in [0, 64] (0: auto), got {self.decode_steps}"),
             (0 < self.gpu_memory_utilization <= 1,
              f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"),
             (self.cpu_kv_cache_gb > 0, f"cpu_kv_cache_gb must be > 0, got {self.cpu_kv_cache_gb}"),
@@ -57,6 +63,12 @@ class EngineConfig:
         if self.distributed_executor_backend != "auto":
             return self.distributed_executor_backend
         return "ray" if self.tensor_parallel_size > 1 else "uni"
+
+    @property
+    def resolved_decode_steps(self) -> int:
+        if self.decode_steps:
+            return self.decode_steps
+        return 1 if self.resolved_device == "cpu" else AUTO_GPU_DECODE_STEPS
 
     @property
     def resolved_device(self) -> str:

@@ -71,7 +71,7 @@ class LLMEngine:
                             extra_keys=(str(self.model_path),))
         self.scheduler = Scheduler(SchedulerConfig(
             self.max_model_len, config.max_num_batched_tokens, config.max_num_seqs,
-            config.max_prefill_chunk,
+            config.max_prefill_chunk, decode_steps=config.resolved_decode_steps,
         ), kv)
         self.step_builder = StepBuilder()
         self.requests: dict[str, RequestTracker] = {}
@@ -167,11 +167,11 @@ class LLMEngine:
         if scheduled.is_empty and not scheduled.released_ids:
             return []
         result = self.executor.execute(self.step_builder.build(scheduled))
-        sampled = {rid: [token] for rid, token in zip(result.request_ids, result.token_ids,
-                                                       strict=True)}
+        sampled = dict(zip(result.request_ids, result.token_ids, strict=True))
         self.metrics.batch_size = len(scheduled.scheduled)
-        finished = {seq.request_id: seq for seq in self.scheduler.update(scheduled, sampled)}
         scheduled_seqs = {item.seq.request_id: item.seq for item in scheduled.scheduled}
+        num_before = {seq_id: seq.num_tokens for seq_id, seq in scheduled_seqs.items()}
+        finished = {seq.request_id: seq for seq in self.scheduler.update(scheduled, sampled)}
         now = time.monotonic()
         touched: dict[str, RequestTracker] = {}
         for row, seq_id in enumerate(result.request_ids):
@@ -181,15 +181,20 @@ class LLMEngine:
             tracker = self.requests[request_id]
             touched[request_id] = tracker
             completion = tracker.completions[seq_id]
-            self._record_token(tracker, completion, scheduled_seqs[seq_id], now)
-            logprobs = result.logprobs[row] if result.logprobs is not None else None
-            stop = add_token(completion, tracker.params, result.token_ids[row], logprobs)
-            if stop is not None and seq_id not in finished:
-                seq = self.scheduler.finish(seq_id, FinishReason.STOP, stop_reason=stop)
-                if seq is not None:
-                    finished[seq_id] = seq
-            elif stop is not None:  # finished by length on the very token that stopped it
-                finished[seq_id].finish(FinishReason.STOP, stop_reason=stop)
+            seq = scheduled_seqs[seq_id]
+            num_kept = seq.num_tokens - num_before[seq_id]  # the scheduler stops at a stop
+            for index, token_id in enumerate(result.token_ids[row][:num_kept]):
+                self._record_token(tracker, completion, seq, now)
+                logprobs = result.logprobs[row][index] if result.logprobs is not None else None
+                stop = add_token(completion, tracker.params, token_id, logprobs)
+                if stop is None:
+                    continue
+                if seq_id not in finished:  # a stop string: the tokens after it are dropped
+                    if self.scheduler.finish(seq_id, FinishReason.STOP, stop_reason=stop):
+                        finished[seq_id] = seq
+                else:  # finished by length or EOS on a token at or after the stop string
+                    seq.finish(FinishReason.STOP, stop_reason=stop)
+                break
             if seq_id in finished:
                 finish_completion(completion, finished[seq_id])
                 self._record_finish(tracker, finished[seq_id], now)

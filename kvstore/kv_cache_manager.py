@@ -70,6 +70,11 @@ class KVCacheManager:
     def usage(self) -> float:
         return self.num_used_blocks / self.pool.num_blocks
 
+    def num_blocks_to_grow(self, request_id: str, num_tokens: int) -> int:
+        """How many more blocks the request needs to hold ``num_tokens`` tokens."""
+        num_held = len(self.req_blocks.get(request_id, ()))
+        return max(0, -(-num_tokens // self.block_size) - num_held)
+
     def block_ids(self, request_id: str) -> list[int]:
         return [block.block_id for block in self.req_blocks.get(request_id, [])]
 

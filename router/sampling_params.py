@@ -62,3 +62,9 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature < GREEDY_EPSILON
+
+    @property
+    def uses_history(self) -> bool:
+        """Whether sampling a token reads the tokens before it (the penalties do)."""
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0)

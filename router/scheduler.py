@@ -5,6 +5,12 @@ Each step fills a token budget: running sequences first (oldest first), then wai
 so a long prompt is prefilled in chunks mixed with the decodes of other sequences. When the KV
 pool is short, the newest running sequence is preempted by recompute: its blocks are freed and
 it waits at the head of the queue to be prefilled again (its generated tokens kept).
+
+When every running sequence is decoding and nobody waits, one call to the workers may run
+several decode steps back to back (``decode_steps``): the device feeds each step the tokens of
+the one before, so the host's per-step work (this scheduler, the step message, reading tokens)
+is paid once per call instead of once per token. Stops found inside a call drop the tokens
+after them.
 """
 
 import time
@@ -24,12 +30,15 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     max_prefill_chunk: int = 0  # at most this many tokens of one sequence per step; 0 = budget
     num_lookahead_tokens: int = 0  # extra slots for speculative tokens after a decode
+    decode_steps: int = 1  # decode steps one call may run back to back (see the module doc)
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:
             raise ValueError("max_num_batched_tokens must be at least 1")
         if self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be at least 1")
+        if self.decode_steps < 1:
+            raise ValueError("decode_steps must be at least 1")
 
 
 @dataclass
@@ -46,6 +55,7 @@ class SchedulerOutput:
     preempted_ids: list[str] = field(default_factory=list)
     # sequences the workers knew that are gone (finished, aborted, preempted): drop their state
     released_ids: list[str] = field(default_factory=list)
+    num_steps: int = 1  # > 1: every scheduled sequence decodes this many tokens in one call
 
     @property
     def num_batched_tokens(self) -> int:
@@ -73,15 +83,36 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> SchedulerOutput:
-        output = SchedulerOutput()
+        output = SchedulerOutput(num_steps=self._num_decode_steps())
         budget = self._schedule_running(output, self.config.max_num_batched_tokens)
         if not output.preempted_ids:  # memory is short: admit nobody new this step
             self._schedule_waiting(output, budget)
         output.released_ids, self._released = self._released, []
         return output
 
+    def _num_decode_steps(self) -> int:
+        """``decode_steps`` when every running sequence decodes, none samples from its history
+        (penalties), nobody waits and the pool holds every slot ahead; fewer when a sequence
+        would pass its ``max_tokens`` or the model's length sooner; otherwise 1."""
+        steps = self.config.decode_steps
+        running = self.running
+        if steps == 1 or self.waiting or not running or (
+            len(running) > self.config.max_num_batched_tokens
+        ):
+            return 1
+        for seq in running:
+            if seq.num_tokens - seq.num_computed_tokens != 1 or seq.params.uses_history:
+                return 1
+            steps = min(steps, seq.params.max_tokens - seq.num_output_tokens,
+                        self.config.max_model_len - seq.num_tokens)
+        grow = self.kv.num_blocks_to_grow
+        num_needed = sum(grow(seq.request_id, seq.num_computed_tokens + steps) for seq in running)
+        return max(steps, 1) if num_needed <= self.kv.num_free_blocks else 1
+
     def _schedule_running(self, output: SchedulerOutput, budget: int) -> int:
-        chunk, lookahead_len = self.config.max_prefill_chunk, self.config.num_lookahead_tokens
+        chunk = self.config.max_prefill_chunk
+        # the slots of every step of the call after the first, or the speculative ones
+        lookahead_len = max(self.config.num_lookahead_tokens, output.num_steps - 1)
         allocate, scheduled = self.kv.allocate_slots, output.scheduled
         index = 0
         while index < len(self.running) and budget > 0:
@@ -196,13 +227,15 @@ class Scheduler:
             seq = item.seq
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # aborted or preempted since it was scheduled
-            seq.num_computed_tokens += item.num_new_tokens
+            # a call of k steps computes the first input and the k - 1 tokens fed back after it
+            seq.num_computed_tokens += item.num_new_tokens + output.num_steps - 1
             for token_id in sampled.get(seq.request_id, ()):
                 seq.token_ids.append(token_id)
                 if self._check_stop(seq, token_id):
-                    break
+                    break  # the tokens sampled after a stop are dropped
+            seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens)
             cache_blocks(seq.request_id, seq.token_ids, seq.num_computed_tokens)
-            if seq.status is SequenceStatus.FINISHED:
+            if seq.is_finished:
                 self._release(seq)
                 finished.append(seq)
         return finished

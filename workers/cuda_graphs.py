@@ -187,8 +187,9 @@ class DecodeGraphs:
             return f"capture failed: {error!r}"
         return None
 
-    def run(self, rows: DecodeRows) -> torch.Tensor | None:
-        """Hidden states (n, hidden) of the step's n sequences, or None when no graph fits."""
+    def run(self, rows: DecodeRows, input_ids: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Hidden states (n, hidden) of the step's n sequences, or None when no graph fits.
+        ``input_ids`` (n,) on the device, when given, replace the rows' host tokens."""
         n, width = rows.block_tables.shape
         bucket = bucket_for(n, self.sizes)
         if bucket is None or width > self.max_blocks:
@@ -199,6 +200,8 @@ class DecodeGraphs:
         self.packed[:size].copy_(self.host[:size], non_blocking=True)
         self.copied.record()
         self.inputs.load(self.packed[:size], bucket, width)
+        if input_ids is not None:
+            self.inputs.input_ids[:n].copy_(input_ids)
         self.graphs[bucket].replay()
         return self.outputs[bucket][:n]
 

@@ -39,6 +39,13 @@ class DecodeRows:
     def seq_lens(self) -> np.ndarray:  # (B,) context after this step
         return self.positions + 1
 
+    def advanced(self, num_steps: int, block_size: int) -> "DecodeRows":
+        """The rows ``num_steps`` decode steps later (their input tokens unknown here: the
+        caller feeds them from the device). The block table already holds those slots."""
+        positions = self.positions + num_steps
+        slots = slots_of(self.block_tables, np.arange(len(positions)), positions, block_size)
+        return DecodeRows(self.request_ids, self.input_ids, positions, slots, self.block_tables)
+
 
 def block_table_array(block_ids: Sequence[list[int]]) -> np.ndarray:
     """(B, max_blocks) int32, each row padded with 0."""
@@ -76,6 +83,28 @@ def build_decode_rows(
     pos = np.array(positions, dtype=np.int64)
     slots = slots_of(table, np.arange(len(pos)), pos, block_size)
     return DecodeRows(request_ids, np.array(tokens, dtype=np.int64), pos, slots, table)
+
+
+def decode_batch(rows: DecodeRows, device: torch.device,
+                 input_ids: torch.Tensor | None = None) -> InputBatch:
+    """An eager InputBatch of a pure-decode step; ``input_ids`` (B,) on the device, when given,
+    replace the rows' host tokens (the tokens the step before sampled, never read back)."""
+    num_seqs = len(rows.request_ids)
+    table = rows.block_tables
+    packed64 = to_device(np.concatenate([rows.input_ids, rows.positions, rows.slots]), device)
+    packed32 = to_device(np.concatenate(
+        [np.arange(num_seqs + 1), rows.seq_lens, table.ravel()]).astype(np.int32), device)
+    ids, pos, slots = packed64.split([num_seqs] * 3)
+    qsl, lens, flat_table = packed32.split([num_seqs + 1, num_seqs, table.size])
+    seq_lens = rows.seq_lens.tolist()
+    meta = AttentionMetadata(
+        slot_mapping=slots, query_start_loc=qsl, seq_lens=lens,
+        block_tables=flat_table.view(table.shape), max_query_len=1, max_seq_len=max(seq_lens),
+        query_lens_cpu=[1] * num_seqs, seq_lens_cpu=seq_lens,
+    )
+    sample_indices = torch.arange(num_seqs, device=device)
+    return InputBatch(ids if input_ids is None else input_ids, pos, meta,
+                      list(rows.request_ids), sample_indices)
 
 
 def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:

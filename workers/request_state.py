@@ -37,15 +37,17 @@ class RequestState:
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens :]
 
-    def generator_for_next_token(self) -> torch.Generator | None:
-        """The seeded generator, reseeded from (seed, output index).
+    def generator_for_next_token(self, offset: int = 0) -> torch.Generator | None:
+        """The seeded generator, reseeded from (seed, output index); ``offset`` counts tokens
+        sampled past those this state holds (the later steps of a multi-step call).
 
         Tying the noise to the token's index rather than to a stream that runs across steps
         keeps a seeded request reproducible even when it is preempted and recomputed.
         """
         if self.generator is None or self.spec.seed is None:
             return None
-        return self.generator.manual_seed(hash_seed(self.spec.seed, len(self.output_token_ids)))
+        return self.generator.manual_seed(hash_seed(self.spec.seed,
+                                                          len(self.output_token_ids) + offset))
 
 
 def hash_seed(seed: int, index: int) -> int:

@@ -35,14 +35,19 @@ class StepInput:
     new_requests: list[NewRequest]
     scheduled: list[ScheduledRequest]  # batch order
     released_ids: list[str]  # requests whose state the workers drop before this step
+    # > 1: a pure-decode batch runs this many steps back to back on the device, each fed the
+    # tokens the one before it sampled, with one read of all of them at the end
+    num_steps: int = 1
+
+
+TokenLogprobs = list[tuple[int, float]]  # [(token_id, logprob), ...]: sampled token, then top-n
 
 
 @dataclass
 class StepOutput:
-    """One row per sequence that reached its last token this step and sampled."""
+    """One row per sequence that reached its last token and sampled: its tokens in step order
+    (one per step of the call), with their logprobs when asked for."""
 
     request_ids: list[str]
-    token_ids: list[int]
-    # per row: [(token_id, logprob), ...], the sampled token first, then the top-n
-    logprobs: list[list[tuple[int, float]]] | None = None
-    ranks: list[int] | None = None
+    token_ids: list[list[int]]
+    logprobs: list[list[TokenLogprobs]] | None = None  # per row, per token

@@ -9,13 +9,19 @@ from dataclasses import dataclass
 import torch
 
 from workers.attention.reference import ReferenceAttentionBackend
-from workers.input_batch import build_decode_rows, build_input_batch
+from workers.input_batch import DecodeRows, build_decode_rows, build_input_batch, decode_batch
 from workers.kv_cache import KVCaches, allocate_kv_caches, kv_bytes_per_block
 from workers.layers.parallel import TensorParallelGroup
 from workers.loader import load_model
 from workers.request_state import RequestState
-from workers.sampler import Sampler, SamplingSpec
-from workers.step_input import NewRequest, ScheduledRequest, StepInput, StepOutput
+from workers.sampler import Sampler, SamplerOutput, SamplingSpec
+from workers.step_input import (
+    NewRequest,
+    ScheduledRequest,
+    StepInput,
+    StepOutput,
+    TokenLogprobs,
+)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -132,7 +138,8 @@ class Worker:
 
     @torch.inference_mode()
     def execute(self, step: StepInput) -> StepOutput | None:
-        """Runs one step; the driver (rank 0) returns the sampled tokens, others None."""
+        """Runs one step (``num_steps`` decode steps when asked); the driver (rank 0) returns
+        the sampled tokens, other ranks None."""
         for request_id in step.released_ids:
             self.states.pop(request_id, None)
         for request in step.new_requests:
@@ -141,38 +148,89 @@ class Worker:
             self.states[item.request_id].apply(item)
         if not step.scheduled:
             return StepOutput([], []) if self.is_driver else None
+        if step.num_steps > 1:
+            return self._execute_decode_steps(step.scheduled, step.num_steps)
         if self.graphs is not None:
             rows = build_decode_rows(step.scheduled, self.states, self.config.block_size)
             hidden = self.graphs.run(rows) if rows is not None else None
             if hidden is not None:  # every rank replayed the same bucket: graphs run in lockstep
-                logits = self.model.compute_logits(hidden)  # a collective under TP
-                return self._sample(rows.request_ids, logits) if self.is_driver else None
+                return self._sample_and_read(rows.request_ids, hidden)
         batch = build_input_batch(step.scheduled, self.states, self.config.block_size,
                                   self.device)
         hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
         if not batch.sample_request_ids:
             return StepOutput([], []) if self.is_driver else None
-        logits = self.model.compute_logits(hidden[batch.sample_indices])
+        return self._sample_and_read(batch.sample_request_ids, hidden[batch.sample_indices])
+
+    def _execute_decode_steps(self, scheduled: list[ScheduledRequest],
+                              num_steps: int) -> StepOutput | None:
+        """``num_steps`` decode steps back to back. Each step's input tokens are the ones the
+        step before sampled, handed over on the device (broadcast from rank 0 under tensor
+        parallelism), so the host queues step after step without waiting for any, and reads
+        every token once at the end. The scheduler has allocated the slots of all of them."""
+        first = build_decode_rows(scheduled, self.states, self.config.block_size)
+        if first is None:
+            raise ValueError("num_steps > 1 needs a step where every sequence decodes")
+        if any(state_uses_history(self.states[r]) for r in first.request_ids):
+            raise ValueError("num_steps > 1 cannot apply penalties: they need every token")
+        tokens: torch.Tensor | None = None  # (B,) on the device: the last step's samples
+        outputs: list[SamplerOutput] = []
+        for index in range(num_steps):
+            rows = first.advanced(index, self.config.block_size) if index else first
+            logits = self.model.compute_logits(self._forward_decode(rows, tokens))  # collective
+            if self.is_driver:
+                outputs.append(self._sample(rows.request_ids, logits, offset=index))
+                tokens = outputs[-1].token_ids
+            if self.tp.size > 1 and index + 1 < num_steps:
+                if tokens is None:
+                    tokens = torch.empty(len(rows.request_ids), dtype=torch.int64,
+                                         device=self.device)
+                tokens = self.tp.broadcast(tokens, src=0)
+        return self._read(first.request_ids, outputs) if self.is_driver else None
+
+    def _forward_decode(self, rows: DecodeRows, input_ids: torch.Tensor | None) -> torch.Tensor:
+        if self.graphs is not None:
+            hidden = self.graphs.run(rows, input_ids)
+            if hidden is not None:
+                return hidden
+        batch = decode_batch(rows, self.device, input_ids)
+        return self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
+
+    def _sample_and_read(self, request_ids: list[str], hidden: torch.Tensor) -> StepOutput | None:
+        logits = self.model.compute_logits(hidden)  # a collective under TP
         if not self.is_driver:
             return None
-        return self._sample(batch.sample_request_ids, logits)
+        return self._read(request_ids, [self._sample(request_ids, logits)])
 
-    def _sample(self, request_ids: list[str], logits: torch.Tensor) -> StepOutput:
+    def _sample(self, request_ids: list[str], logits: torch.Tensor,
+                offset: int = 0) -> SamplerOutput:
+        """Samples each row's next token (``offset`` tokens past what the state holds), on the
+        device: nothing is read back here."""
         states = [self.states[request_id] for request_id in request_ids]
-        out = self.sampler(
+        return self.sampler(
             logits,
             [state.spec for state in states],
             [state.prompt_token_ids for state in states],
             [state.output_token_ids for state in states],
-            [state.generator_for_next_token() for state in states],
+            [state.generator_for_next_token(offset) for state in states],
         )
-        token_ids = out.token_ids.tolist()  # the one device-to-host read of the step
-        if out.logprobs is None:
+
+    def _read(self, request_ids: list[str], outputs: list[SamplerOutput]) -> StepOutput:
+        """The one device-to-host read of a call: every step's tokens, and logprobs if asked."""
+        token_ids = torch.stack([out.token_ids for out in outputs], dim=1).tolist()  # (B, steps)
+        if outputs[0].logprobs is None:
             return StepOutput(request_ids, token_ids)
-        values, ids, ranks = out.logprobs.tolist(), out.logprob_token_ids.tolist(), out.ranks
-        logprobs = [
-            list(zip(row_ids[: 1 + (state.spec.logprobs or 0)],
-                     row_values[: 1 + (state.spec.logprobs or 0)], strict=True))
-            for state, row_ids, row_values in zip(states, ids, values, strict=True)
-        ]
-        return StepOutput(request_ids, token_ids, logprobs, ranks.tolist())
+        widths = [1 + (self.states[r].spec.logprobs or 0) for r in request_ids]
+        logprobs: list[list[TokenLogprobs]] = [[] for _ in request_ids]
+        for out in outputs:
+            values, ids = out.logprobs.tolist(), out.logprob_token_ids.tolist()
+            for row, width in enumerate(widths):
+                logprobs[row].append(list(zip(ids[row][:width], values[row][:width], strict=True)))
+        return StepOutput(request_ids, token_ids, logprobs)
+
+
+def state_uses_history(state: RequestState) -> bool:
+    """Whether sampling this request reads its earlier tokens (penalties do)."""
+    spec = state.spec
+    return (spec.repetition_penalty != 1.0 or spec.presence_penalty != 0.0
+            or spec.frequency_penalty != 0.0)

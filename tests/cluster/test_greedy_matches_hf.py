@@ -78,3 +78,11 @@ def test_small_budget_and_one_sequence_at_a_time(tiny_models, expected):
     _, tokens = generate(tiny_models["qwen3"], num_kv_blocks=256, max_num_seqs=1,
                          max_num_batched_tokens=5, enable_prefix_caching=False)
     assert tokens == expected["qwen3"]
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_several_decode_steps_per_call(tiny_models, expected, name):
+    # 5 steps a call: calls end mid-block, straddle blocks, and are cut short by max_tokens
+    llm, tokens = generate(tiny_models[name], num_kv_blocks=256, decode_steps=5)
+    assert tokens == expected[name]
+    assert llm.stats().kv_blocks_used == 0

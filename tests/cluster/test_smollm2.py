@@ -47,6 +47,32 @@ def test_stop_string_is_cut_from_the_text(llm):
     assert (out.finish_reason, out.outputs[0].stop_reason) == ("stop", "is Paris")
 
 
+def test_several_decode_steps_per_call_keep_text_stops_and_logprobs(llm):
+    multi = LLM(DEFAULT_MODEL, device="cpu", dtype="float32", block_size=16, num_kv_blocks=256,
+                decode_steps=6)
+    conversations = [[{"role": "user", "content": q}] for q in QUESTIONS]
+    results = []
+    for params in [SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, stop=["is Paris"]),
+                   SamplingParams(temperature=0.8, seed=11, max_tokens=20, logprobs=2, n=2)]:
+        one_at_a_time, several = llm.chat(conversations, params), multi.chat(conversations, params)
+        results.append(several)
+        for a, b in zip(one_at_a_time, several, strict=True):
+            for x, y in zip(a.outputs, b.outputs, strict=True):
+                assert (y.text, y.token_ids, y.finish_reason, y.stop_reason) == (
+                    x.text, x.token_ids, x.finish_reason, x.stop_reason)
+                if x.logprobs is not None:
+                    assert [[t for t, _ in row] for row in y.logprobs] == [
+                        [t for t, _ in row] for row in x.logprobs]
+                    pairs = zip(x.logprobs, y.logprobs, strict=True)
+                    assert all(abs(u - v) < 1e-4 for rx, ry in pairs
+                               for (_, u), (_, v) in zip(rx, ry, strict=True))
+    stopped, sampled = results
+    assert (stopped[0].finish_reason, stopped[0].outputs[0].stop_reason) == ("stop", "is Paris")
+    assert sampled[0].outputs[0].token_ids != sampled[0].outputs[1].token_ids  # n=2 distinct
+    assert multi.stats().kv_blocks_used == 0
+    multi.engine.scheduler.kv.check_integrity()
+
+
 def test_shared_system_prompt_hits_the_prefix_cache(llm):
     system = {"role": "system", "content": "You are a terse assistant. " * 8}
     conversations = [[system, {"role": "user", "content": q}] for q in QUESTIONS]

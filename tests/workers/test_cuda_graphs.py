@@ -76,19 +76,23 @@ def test_pack_padded_reuses_a_buffer_without_stale_rows():
 
 
 @pytest.mark.gpu
-def test_graph_replay_matches_eager(tiny_models):
+def test_graph_replay_and_decode_steps_match_eager(tiny_models):
+    """Eager one step a call = graphs one step a call = graphs 8 steps a call (tokens fed on
+    the device), greedy and seeded sampling alike."""
     from cluster.llm import LLM
     from router.sampling_params import SamplingParams
 
     prompts = [[1, 2, 3, 4, 5], [7] * 20, [9, 8, 7]]
-    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    seeded = SamplingParams(temperature=0.9, top_p=0.9, seed=5, max_tokens=24, ignore_eos=True)
     outs = {}
-    for eager in (True, False):
+    for eager, steps in [(True, 1), (False, 1), (False, 8)]:
         llm = LLM(model=str(tiny_models["llama"]), device="cuda", dtype="float32",
-                  num_kv_blocks=64, enforce_eager=eager, max_num_seqs=8)
+                  num_kv_blocks=64, enforce_eager=eager, max_num_seqs=8, decode_steps=steps)
         assert (llm.engine.executor.worker.graphs is None) == eager
-        outs[eager] = [o.token_ids for o in llm.generate(prompts, params)]
-    assert outs[True] == outs[False]
+        outs[eager, steps] = [[o.token_ids for o in llm.generate(prompts, params)]
+                              for params in (greedy, seeded)]
+    assert outs[True, 1] == outs[False, 1] == outs[False, 8]
 
 
 def test_collective_capture_problem():

@@ -18,10 +18,12 @@ def test_tensor_parallel_graph_replay_matches_eager(ray_session, tiny_models):
     prompts = [[1, 2, 3, 4, 5], [7] * 20, [9, 8, 7], list(range(40, 77))]
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     outs = {}
-    for eager in (True, False):
+    # eager one step a call; graphs 8 steps a call (rank 0 broadcasts each step's tokens)
+    for eager, steps in [(True, 1), (False, 8)]:
         llm = LLM(model=str(tiny_models["llama"]), device="cuda", dtype="float32",
                   num_kv_blocks=128, enforce_eager=eager, max_num_seqs=8,
-                  tensor_parallel_size=2, distributed_executor_backend="ray")
+                  tensor_parallel_size=2, distributed_executor_backend="ray",
+                  decode_steps=steps)
         try:
             actors = llm.engine.executor.actors
             assert ray.get([a.uses_cuda_graphs.remote() for a in actors]) == [not eager] * 2

@@ -49,6 +49,12 @@ class TensorParallelGroup:
         gather_into_tensor(gathered, t, group=self.group)
         return torch.cat(gathered.chunk(self.size), dim=dim)
 
+    def broadcast(self, t: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """Every rank's t becomes rank src's t (in place); returns t."""
+        if self.size > 1:
+            dist.broadcast(t, src=dist.get_global_rank(self.group, src), group=self.group)
+        return t
+
     def all_true(self, flag: bool, device: torch.device) -> bool:
         """Whether flag holds on every rank (a MIN all-reduce); every rank must call it."""
         if self.size == 1:

@@ -1,0 +1,74 @@
+"""Several decode steps per call: slots reserved ahead, tokens after a stop dropped."""
+
+from kvstore.kv_cache_manager import KVCacheManager
+from router.sampling_params import SamplingParams
+from router.scheduler import Scheduler, SchedulerConfig
+from router.sequence import FinishReason, Sequence
+
+
+def make(num_blocks=16, decode_steps=4, max_model_len=64):
+    config = SchedulerConfig(max_model_len, 64, 8, decode_steps=decode_steps)
+    return Scheduler(config, KVCacheManager(num_blocks, 4))
+
+
+def seq(request_id, num_prompt, max_tokens=16, first=0, **params):
+    prompt = list(range(first, first + num_prompt))
+    return Sequence(request_id, prompt, SamplingParams(max_tokens=max_tokens, **params),
+                    eos_token_ids=frozenset({999}))
+
+
+def prefill(sched, *seqs):
+    for s in seqs:
+        sched.add(s)
+    output = sched.schedule()
+    assert output.num_steps == 1  # prompts are not decodes
+    sched.update(output, {s.request_id: [7] for s in seqs})
+
+
+def test_a_decoding_batch_runs_several_steps_with_every_slot_reserved():
+    sched = make()
+    a, b = seq("a", 6), seq("b", 3, first=50)
+    prefill(sched, a, b)  # a: 7 tokens in blocks 0, 1; b: 4 tokens in block 2
+    output = sched.schedule()
+    assert output.num_steps == 4
+    # a computes positions 6..9 (block 1 then 3), b positions 3..6 (block 2 then 4)
+    assert [(s.seq.request_id, s.num_new_tokens, s.new_block_ids) for s in output.scheduled] == [
+        ("a", 1, [3]), ("b", 1, [4])]
+    assert sched.update(output, {"a": [1, 2, 3, 4], "b": [5, 6, 7, 8]}) == []
+    assert a.output_token_ids == [7, 1, 2, 3, 4] and a.num_computed_tokens == a.num_tokens - 1
+    assert b.output_token_ids == [7, 5, 6, 7, 8] and b.num_computed_tokens == b.num_tokens - 1
+    sched.kv.check_integrity()
+
+
+def test_tokens_after_a_stop_are_dropped_and_the_call_is_capped_by_max_tokens():
+    sched = make()
+    eos, short, stop = seq("eos", 4), seq("short", 4, max_tokens=3, first=20), seq(
+        "stop", 4, first=40, stop_token_ids=[5])
+    prefill(sched, eos, short, stop)
+    output = sched.schedule()
+    assert output.num_steps == 2  # "short" has 2 tokens left of its 3
+    finished = sched.update(output, {"eos": [999, 1], "short": [1, 2], "stop": [5, 6]})
+    assert [(s.request_id, s.finish_reason, s.output_token_ids) for s in finished] == [
+        ("eos", FinishReason.STOP, [7, 999]), ("short", FinishReason.LENGTH, [7, 1, 2]),
+        ("stop", FinishReason.STOP, [7, 5])]
+    assert sched.kv.num_used_blocks == 0
+    sched.kv.check_integrity()
+
+
+def test_one_step_when_someone_waits_samples_with_penalties_or_the_pool_is_short():
+    sched = make()
+    prefill(sched, seq("a", 6))
+    sched.add(seq("b", 3, first=50))
+    assert sched.schedule().num_steps == 1  # b waits to be admitted
+
+    sched = make()
+    prefill(sched, seq("a", 6, repetition_penalty=1.2))
+    assert sched.schedule().num_steps == 1  # a penalty needs every token before it
+
+    sched = make(num_blocks=2)
+    prefill(sched, seq("a", 6))  # 7 tokens in both blocks: 4 more steps need a third
+    assert sched.schedule().num_steps == 1
+
+    sched = make(max_model_len=9)
+    prefill(sched, seq("a", 6))
+    assert sched.schedule().num_steps == 2  # the model's length allows 2 more tokens
