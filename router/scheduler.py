@@ -92,22 +92,28 @@ class Scheduler:
 
     def _num_decode_steps(self) -> int:
         """``decode_steps`` when every running sequence decodes, none samples from its history
-        (penalties), nobody waits and the pool holds every slot ahead; fewer when a sequence
-        would pass its ``max_tokens`` or the model's length sooner; otherwise 1."""
+        (penalties), nobody waits and the pool holds every slot ahead; otherwise 1.
+
+        A sequence that reaches its ``max_tokens`` inside a call has its later tokens dropped:
+        its row costs nothing extra in a batch that runs anyway, where capping the call by the
+        nearest end would shrink nearly every call of a large batch. Only steps that nobody
+        needs are cut, and no sequence may pass the model's length."""
         steps = self.config.decode_steps
         running = self.running
         if steps == 1 or self.waiting or not running or (
             len(running) > self.config.max_num_batched_tokens
         ):
             return 1
+        needed = 1
         for seq in running:
             if seq.num_tokens - seq.num_computed_tokens != 1 or seq.params.uses_history:
                 return 1
-            steps = min(steps, seq.params.max_tokens - seq.num_output_tokens,
-                        self.config.max_model_len - seq.num_tokens)
+            needed = max(needed, seq.params.max_tokens - seq.num_output_tokens)
+            steps = min(steps, self.config.max_model_len - seq.num_tokens)
+        steps = max(1, min(steps, needed))
         grow = self.kv.num_blocks_to_grow
         num_needed = sum(grow(seq.request_id, seq.num_computed_tokens + steps) for seq in running)
-        return max(steps, 1) if num_needed <= self.kv.num_free_blocks else 1
+        return steps if num_needed <= self.kv.num_free_blocks else 1
 
     def _schedule_running(self, output: SchedulerOutput, budget: int) -> int:
         chunk = self.config.max_prefill_chunk

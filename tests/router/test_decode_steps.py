@@ -40,19 +40,31 @@ def test_a_decoding_batch_runs_several_steps_with_every_slot_reserved():
     sched.kv.check_integrity()
 
 
-def test_tokens_after_a_stop_are_dropped_and_the_call_is_capped_by_max_tokens():
+def test_tokens_after_a_stop_or_the_length_limit_are_dropped():
     sched = make()
     eos, short, stop = seq("eos", 4), seq("short", 4, max_tokens=3, first=20), seq(
         "stop", 4, first=40, stop_token_ids=[5])
     prefill(sched, eos, short, stop)
     output = sched.schedule()
-    assert output.num_steps == 2  # "short" has 2 tokens left of its 3
-    finished = sched.update(output, {"eos": [999, 1], "short": [1, 2], "stop": [5, 6]})
+    assert output.num_steps == 4  # "short" needs 2 more, the others up to 15
+    finished = sched.update(output, {"eos": [1, 999, 2, 3], "short": [1, 2, 3, 4],
+                                     "stop": [5, 6, 7, 8]})
     assert [(s.request_id, s.finish_reason, s.output_token_ids) for s in finished] == [
-        ("eos", FinishReason.STOP, [7, 999]), ("short", FinishReason.LENGTH, [7, 1, 2]),
+        ("eos", FinishReason.STOP, [7, 1, 999]), ("short", FinishReason.LENGTH, [7, 1, 2]),
         ("stop", FinishReason.STOP, [7, 5])]
     assert sched.kv.num_used_blocks == 0
     sched.kv.check_integrity()
+
+
+def test_a_call_runs_no_step_that_nobody_needs():
+    sched = make()
+    a, b = seq("a", 4, max_tokens=3), seq("b", 4, max_tokens=2, first=20)
+    prefill(sched, a, b)
+    output = sched.schedule()
+    assert output.num_steps == 2  # a needs 2 more tokens, b 1
+    finished = sched.update(output, {"a": [1, 2], "b": [3, 4]})
+    assert [(s.request_id, s.output_token_ids) for s in finished] == [
+        ("a", [7, 1, 2]), ("b", [7, 3])]
 
 
 def test_one_step_when_someone_waits_samples_with_penalties_or_the_pool_is_short():
