@@ -116,25 +116,40 @@ def in_process_sender(cluster) -> Send:  # type: ignore[no-untyped-def]
 
 
 def http_sender(client, model: str) -> Send:  # type: ignore[no-untyped-def]
+    """Streams /v1/completions. The client must cost little per chunk, or the benchmark
+    measures itself: events are split from the raw bytes, and only the rare ones that can end
+    a choice or carry the usage are parsed as JSON."""
+
     async def send(prompt: list[int], output_len: int) -> Timing:
         body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0.0,
                 "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-        timing = Timing(time.perf_counter())
+        timing, pending = Timing(time.perf_counter()), b""
         async with client.stream("POST", "/v1/completions", json=body) as response:
             response.raise_for_status()
-            async for line in response.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                choice = (chunk.get("choices") or [{}])[0]
-                if choice.get("text") or (choice and not choice.get("finish_reason")):
-                    timing.chunk_times.append(time.perf_counter())
-                if chunk.get("usage"):
-                    timing.output_tokens = chunk["usage"]["completion_tokens"]
+            async for data in response.aiter_raw():
+                now = time.perf_counter()
+                *events, pending = (pending + data).split(b"\n\n")
+                for item in events:
+                    read_event(item, now, timing)
         timing.end = time.perf_counter()
         return timing
 
     return send
+
+
+def read_event(item: bytes, now: float, timing: Timing) -> None:
+    """One SSE event of a completion stream: a chunk with output marks a chunk time."""
+    if not item.startswith(b"data: {"):
+        return  # [DONE], comments, keep-alives
+    if b'"finish_reason"' not in item and b'"usage"' not in item:
+        timing.chunk_times.append(now)  # an ordinary chunk of text (None fields are left out)
+        return
+    chunk = json.loads(item[6:])
+    choice = (chunk.get("choices") or [{}])[0]
+    if choice.get("text"):
+        timing.chunk_times.append(now)
+    if chunk.get("usage"):
+        timing.output_tokens = chunk["usage"]["completion_tokens"]
 
 
 async def run_loads(send: Send, args: argparse.Namespace, loads: list[Load],

@@ -71,3 +71,19 @@ def test_tiny_throughput_run_writes_every_figure(tiny_models, tmp_path, capsys):
     assert record["hf_generate"]["best"]["output_tokens_per_s"] > 0
     assert record["summary"]["speedup_vs_best_hf"] > 0
     assert "| tandem |" in capsys.readouterr().out
+
+
+def test_serve_bench_reads_chunk_times_and_usage_from_raw_events():
+    from cluster.bench.serve_bench import Timing, read_event
+
+    timing = Timing(start=0.0)
+    events = [b'data: {"id":"c","choices":[{"index":0,"text":"Hi"}]}',
+              b'data: {"id":"c","choices":[{"index":0,"text":""}]}',  # a token without text
+              b'data: {"id":"c","choices":[{"index":0,"text":"!","finish_reason":"length"}]}',
+              b'data: {"id":"c","choices":[{"index":0,"text":"","finish_reason":"stop"}]}',
+              b'data: {"id":"c","choices":[],"usage":{"prompt_tokens":3,'
+              b'"completion_tokens":4,"total_tokens":7}}',
+              b"data: [DONE]"]
+    for now, item in enumerate(events, start=1):
+        read_event(item, float(now), timing)
+    assert timing.chunk_times == [1.0, 2.0, 3.0] and timing.output_tokens == 4

@@ -1,0 +1,86 @@
+"""Where an offline run's time goes, step by step: `python -m cluster.bench.step_times`.
+
+Runs W2 (or any --shape / --model) through ``LLMEngine.step`` and times every call, split by
+kind: calls that prefill (prompt tokens in the batch), single decode steps and multi-step
+decode calls. Each row: calls, seconds, tokens computed, and time per call. The host part of
+a call is the time outside ``executor.execute`` (scheduler, step message, outputs).
+"""
+
+import argparse
+import collections
+import json
+import time
+
+import torch
+
+from cluster.bench.engine_runs import greedy, make_llm
+from cluster.bench.shapes import SHAPES, build_random_model
+from cluster.bench.workloads import throughput_requests
+from workers.catalog import cache_root, resolve_model
+
+
+def kind_of(step) -> str:
+    if step.new_requests or any(item.num_new_tokens > 1 for item in step.scheduled):
+        return "prefill (with decodes)"
+    return f"decode x{step.num_steps}"
+
+
+def trace(llm, requests) -> dict:
+    """Runs the requests one engine step at a time; seconds by kind of step."""
+    engine = llm.engine
+    execute = engine.executor.execute
+    last: dict = {}
+
+    def timed_execute(step):
+        start = time.perf_counter()
+        result = execute(step)
+        last.update(kind=kind_of(step), execute_s=time.perf_counter() - start,
+                    tokens=sum(item.num_new_tokens for item in step.scheduled) * step.num_steps,
+                    seqs=len(step.scheduled))
+        return result
+
+    engine.executor.execute = timed_execute
+    for request in requests:
+        engine.add_request(request.prompt_token_ids, greedy(request))
+    kinds: dict[str, dict] = collections.defaultdict(
+        lambda: {"calls": 0, "seconds": 0.0, "execute_s": 0.0, "tokens": 0, "seqs": 0})
+    start = time.perf_counter()
+    while engine.has_unfinished():
+        last.clear()
+        before = time.perf_counter()
+        engine.step(only_finished=True)
+        if not last:
+            continue
+        kind = kinds[last["kind"]]
+        kind["calls"] += 1
+        kind["seconds"] += time.perf_counter() - before
+        for key in ("execute_s", "tokens", "seqs"):
+            kind[key] += last[key]
+    engine.executor.execute = execute
+    for kind in kinds.values():
+        kind["ms_per_call"] = 1e3 * kind["seconds"] / kind["calls"]
+        kind["host_ms_per_call"] = 1e3 * (kind["seconds"] - kind["execute_s"]) / kind["calls"]
+        kind["mean_batch"] = kind["seqs"] / kind["calls"]
+    return {"seconds": time.perf_counter() - start, "kinds": dict(kinds)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-0.6b")
+    parser.add_argument("--num-requests", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--decode-steps", type=int, default=0)
+    args = parser.parse_args()
+    folder = build_random_model(args.shape, cache_root() / "bench-models")
+    llm = make_llm(resolve_model(str(folder)), max_num_seqs=args.max_num_seqs,
+                   max_num_batched_tokens=args.max_num_batched_tokens,
+                   decode_steps=args.decode_steps)
+    warm = throughput_requests(8, 100, 200)
+    trace(llm, warm)
+    torch.cuda.synchronize()
+    print(json.dumps(trace(llm, throughput_requests(args.num_requests)), indent=1))
+
+
+if __name__ == "__main__":
+    main()
