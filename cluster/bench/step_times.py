@@ -25,13 +25,30 @@ def kind_of(step) -> str:
     return f"decode x{step.num_steps}"
 
 
-def trace(llm, requests) -> dict:
-    """Runs the requests one engine step at a time; seconds by kind of step."""
+def profiled(execute, step):
+    """One call under torch.profiler; prints its top kernels by device time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        result = execute(step)
+        torch.cuda.synchronize()
+    print(f"-- one {kind_of(step)} call, {len(step.scheduled)} sequences:")
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25))
+    return result
+
+
+def trace(llm, requests, profile_kinds: tuple[str, ...] = ()) -> dict:
+    """Runs the requests one engine step at a time; seconds by kind of step. The first call
+    of each kind named in ``profile_kinds`` runs under the profiler (and is not timed)."""
     engine = llm.engine
     execute = engine.executor.execute
     last: dict = {}
+    to_profile = set(profile_kinds)
 
     def timed_execute(step):
+        if kind_of(step) in to_profile:
+            to_profile.discard(kind_of(step))
+            return profiled(execute, step)  # leaves `last` empty: not counted
         start = time.perf_counter()
         result = execute(step)
         last.update(kind=kind_of(step), execute_s=time.perf_counter() - start,
@@ -71,6 +88,8 @@ def main() -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--decode-steps", type=int, default=0)
+    parser.add_argument("--profile", nargs="*", default=[], metavar="KIND",
+                        help='profile the first call of each kind, e.g. "prefill (with decodes)"')
     args = parser.parse_args()
     folder = build_random_model(args.shape, cache_root() / "bench-models")
     llm = make_llm(resolve_model(str(folder)), max_num_seqs=args.max_num_seqs,
@@ -79,7 +98,8 @@ def main() -> None:
     warm = throughput_requests(8, 100, 200)
     trace(llm, warm)
     torch.cuda.synchronize()
-    print(json.dumps(trace(llm, throughput_requests(args.num_requests)), indent=1))
+    print(json.dumps(trace(llm, throughput_requests(args.num_requests), tuple(args.profile)),
+                     indent=1))
 
 
 if __name__ == "__main__":
