@@ -26,29 +26,41 @@ def kind_of(step) -> str:
 
 
 def profiled(execute, step):
-    """One call under torch.profiler; prints its top kernels by device time."""
+    """One call under torch.profiler (device time by kernel) and cProfile (host time by
+    function) at once."""
+    import cProfile
+    import pstats
+
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    host = cProfile.Profile()
+    start = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof, host:
         result = execute(step)
         torch.cuda.synchronize()
-    print(f"-- one {kind_of(step)} call, {len(step.scheduled)} sequences:")
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25))
+    print(f"-- one {kind_of(step)} call, {len(step.scheduled)} sequences, "
+          f"{time.perf_counter() - start:.3f} s under the profilers:")
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12))
+    pstats.Stats(host).sort_stats("cumtime").print_stats(30)
     return result
 
 
-def trace(llm, requests, profile_kinds: tuple[str, ...] = ()) -> dict:
-    """Runs the requests one engine step at a time; seconds by kind of step. The first call
-    of each kind named in ``profile_kinds`` runs under the profiler (and is not timed)."""
+def trace(llm, requests, profile_kinds: tuple[str, ...] = (), profile_skip: int = 0) -> dict:
+    """Runs the requests one engine step at a time; seconds by kind of step. One call of each
+    kind named in ``profile_kinds`` (after ``profile_skip`` of that kind) runs under the
+    profiler, and is left out of the figures."""
     engine = llm.engine
     execute = engine.executor.execute
     last: dict = {}
-    to_profile = set(profile_kinds)
+    to_profile = dict.fromkeys(profile_kinds, profile_skip)
 
     def timed_execute(step):
-        if kind_of(step) in to_profile:
-            to_profile.discard(kind_of(step))
-            return profiled(execute, step)  # leaves `last` empty: not counted
+        kind = kind_of(step)
+        if kind in to_profile:
+            to_profile[kind] -= 1
+            if to_profile[kind] < 0:
+                del to_profile[kind]
+                return profiled(execute, step)  # leaves `last` empty: not counted
         start = time.perf_counter()
         result = execute(step)
         last.update(kind=kind_of(step), execute_s=time.perf_counter() - start,
@@ -88,6 +100,8 @@ def main() -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--decode-steps", type=int, default=0)
+    parser.add_argument("--profile-skip", type=int, default=0,
+                        help="calls of a profiled kind to let pass before the profiled one")
     parser.add_argument("--profile", nargs="*", default=[], metavar="KIND",
                         help='profile the first call of each kind, e.g. "prefill (with decodes)"')
     args = parser.parse_args()
@@ -98,7 +112,8 @@ def main() -> None:
     warm = throughput_requests(8, 100, 200)
     trace(llm, warm)
     torch.cuda.synchronize()
-    print(json.dumps(trace(llm, throughput_requests(args.num_requests), tuple(args.profile)),
+    print(json.dumps(trace(llm, throughput_requests(args.num_requests), tuple(args.profile),
+                           args.profile_skip),
                      indent=1))
 
 
