@@ -25,7 +25,9 @@ MAX_SPLITS = 32
 PROGRAMS_PER_SM = 2  # aim for this many first-kernel programs per SM before splitting stops
 
 
-@triton.jit
+# the block table's width changes from step to step: one compiled kernel for every width,
+# not one per divisibility class (a compile in the middle of serving costs ~0.5 s)
+@triton.jit(do_not_specialize=["stride_bt"])
 def _decode_split_kernel(
     q_ptr,  # (B, heads, head_dim)
     k_cache_ptr,  # (num_blocks, block_size, kv_heads, head_dim), contiguous

@@ -20,7 +20,9 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+# the block table's width changes from step to step: one compiled kernel for every width,
+# not one per divisibility class (a compile in the middle of serving costs ~0.5 s)
+@triton.jit(do_not_specialize=["stride_bt"])
 def _extend_kernel(
     q_ptr,  # (T, heads, head_dim)
     k_cache_ptr,  # (num_blocks, block_size, kv_heads, head_dim), contiguous
