@@ -91,11 +91,10 @@ def decode_batch(rows: DecodeRows, device: torch.device,
     replace the rows' host tokens (the tokens the step before sampled, never read back)."""
     num_seqs = len(rows.request_ids)
     table = rows.block_tables
-    packed64 = to_device(np.concatenate([rows.input_ids, rows.positions, rows.slots]), device)
-    packed32 = to_device(np.concatenate(
-        [np.arange(num_seqs + 1), rows.seq_lens, table.ravel()]).astype(np.int32), device)
-    ids, pos, slots = packed64.split([num_seqs] * 3)
-    qsl, lens, flat_table = packed32.split([num_seqs + 1, num_seqs, table.size])
+    ids, pos, slots = packed_to_device([rows.input_ids, rows.positions, rows.slots], np.int64,
+                                       device)
+    qsl, lens, flat_table = packed_to_device(
+        [np.arange(num_seqs + 1), rows.seq_lens, table.ravel()], np.int32, device)
     seq_lens = rows.seq_lens.tolist()
     meta = AttentionMetadata(
         slot_mapping=slots, query_start_loc=qsl, seq_lens=lens,
@@ -105,6 +104,26 @@ def decode_batch(rows: DecodeRows, device: torch.device,
     sample_indices = torch.arange(num_seqs, device=device)
     return InputBatch(ids if input_ids is None else input_ids, pos, meta,
                       list(rows.request_ids), sample_indices)
+
+
+ALIGN_BYTES = 16
+
+
+def packed_to_device(segments: Sequence[np.ndarray], dtype: type,
+                     device: torch.device) -> list[torch.Tensor]:
+    """The segments in one buffer, sent with one copy; the device views of each, in order.
+
+    Every segment starts 16-byte aligned. Triton compiles a kernel once per alignment class
+    of its pointers, so a segment whose alignment followed the step's sizes would make some
+    steps compile a new kernel in the middle of serving (about half a second each)."""
+    per = ALIGN_BYTES // np.dtype(dtype).itemsize
+    sizes = [len(segment) for segment in segments]
+    starts = np.cumsum([0] + [-(-n // per) * per for n in sizes])
+    flat = np.zeros(int(starts[-1]), dtype=dtype)
+    for start, segment in zip(starts, segments, strict=False):
+        flat[start : start + len(segment)] = segment
+    tensor = to_device(flat, device)
+    return [tensor[start : start + n] for start, n in zip(starts, sizes, strict=False)]
 
 
 def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
@@ -143,15 +162,10 @@ def build_input_batch(
     slots = slots_of(table, rows, positions, block_size)
 
     # (T ids | T positions | T slots | S sample rows) and (B+1 starts | B seq lens | B x W table)
-    packed64 = to_device(np.concatenate(
-        [np.array(input_ids, dtype=np.int64), positions, slots,
-         np.array(sample_rows, dtype=np.int64)]), device)
-    packed32 = to_device(np.concatenate(
-        [query_start_loc, seq_lens, table.ravel()]).astype(np.int32), device)
-    num_seqs = len(scheduled)
-    ids, pos, slot, sample = packed64.split([num_tokens, num_tokens, num_tokens,
-                                             len(sample_rows)])
-    qsl, lens, flat_table = packed32.split([num_seqs + 1, num_seqs, table.size])
+    ids, pos, slot, sample = packed_to_device(
+        [np.array(input_ids), positions, slots, np.array(sample_rows)], np.int64, device)
+    qsl, lens, flat_table = packed_to_device(
+        [query_start_loc, seq_lens, table.ravel()], np.int32, device)
     meta = AttentionMetadata(
         slot_mapping=slot,
         query_start_loc=qsl,

@@ -16,6 +16,7 @@ import torch
 from cluster.bench.engine_runs import greedy, make_llm
 from cluster.bench.shapes import SHAPES, build_random_model
 from cluster.bench.workloads import throughput_requests
+from workers import triton_compiles
 from workers.catalog import cache_root, resolve_model
 
 
@@ -76,11 +77,13 @@ def trace(llm, requests, profile_kinds: tuple[str, ...] = (), profile_skip: int 
     start = time.perf_counter()
     while engine.has_unfinished():
         last.clear()
-        before = time.perf_counter()
+        before, compiles_before = time.perf_counter(), len(triton_compiles.seen)
         engine.step(only_finished=True)
         if not last:
             continue
         kind = kinds[last["kind"]]
+        kind["triton_compiles"] = (kind.get("triton_compiles", 0)
+                                   + len(triton_compiles.seen) - compiles_before)
         kind["calls"] += 1
         kind["seconds"] += time.perf_counter() - before
         for key in ("execute_s", "tokens", "seqs"):
@@ -105,6 +108,7 @@ def main() -> None:
     parser.add_argument("--profile", nargs="*", default=[], metavar="KIND",
                         help='profile the first call of each kind, e.g. "prefill (with decodes)"')
     args = parser.parse_args()
+    triton_compiles.record()
     folder = build_random_model(args.shape, cache_root() / "bench-models")
     llm = make_llm(resolve_model(str(folder)), max_num_seqs=args.max_num_seqs,
                    max_num_batched_tokens=args.max_num_batched_tokens,
@@ -112,9 +116,12 @@ def main() -> None:
     warm = throughput_requests(8, 100, 200)
     trace(llm, warm)
     torch.cuda.synchronize()
+    warm_up_compiles = len(triton_compiles.seen)
     print(json.dumps(trace(llm, throughput_requests(args.num_requests), tuple(args.profile),
                            args.profile_skip),
                      indent=1))
+    for compile in triton_compiles.seen[warm_up_compiles:]:
+        print("compiled after the warm-up:", compile.kernel, compile.key)
 
 
 if __name__ == "__main__":
