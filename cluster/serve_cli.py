@@ -29,6 +29,7 @@ FLAGS = {  # flag -> (ServeConfig field, type, help)
     "--block-size": ("block_size", int, "tokens per KV block (default: 16)"),
     "--max-num-seqs": ("max_num_seqs", int, "sequences per batch at most (default: 64)"),
     "--max-num-batched-tokens": ("max_num_batched_tokens", int, "tokens per step at most"),
+    "--decode-steps": ("decode_steps", int, "decode steps per worker call (default: 0, auto)"),
     "--seed": ("seed", int, "engine seed (default: 0)"),
 }
 

@@ -43,6 +43,8 @@ class ServeConfig(BaseModel):
     max_num_seqs: int = Field(64, ge=1, description="Sequences in a batch at most.")
     max_num_batched_tokens: int = Field(2048, ge=1, description="Tokens in a step at most.")
     enable_prefix_caching: bool = Field(True, description="Share KV blocks of equal prefixes.")
+    decode_steps: int = Field(0, ge=0, le=64, description="Decode steps per call to the workers "
+                              "when every request decodes; 0: auto (8 on a GPU, 1 on the CPU).")
     seed: int = Field(0, description="Seed of the engines' random state.")
 
     @property
@@ -65,7 +67,7 @@ class ServeConfig(BaseModel):
             max_model_len=self.max_model_len, enable_prefix_caching=self.enable_prefix_caching,
             tensor_parallel_size=self.tensor_parallel_size,
             distributed_executor_backend="ray" if self.tensor_parallel_size > 1 else "uni",
-            seed=self.seed,
+            decode_steps=self.decode_steps, seed=self.seed,
         )
 
     def curl_example(self) -> str:

@@ -17,4 +17,5 @@ stage "W2 throughput" ${W2_TIME:-170} python -m cluster.bench throughput --shape
   --output "$OUT/w2.json"
 stage "W4 prefix" ${W4_TIME:-170} python -m cluster.bench prefix --shape llama-3.2-1b \
   --max-num-seqs 1024 --max-num-batched-tokens 8192 --output "$OUT/w4.json"
+stage "W2 by step" ${STEPS_TIME:-90} python -m cluster.bench.step_times
 stage "attention" ${ATTN_TIME:-70} python -m workers.attention.bench_attention
