@@ -183,8 +183,12 @@ class LLMEngine:
             completion = tracker.completions[seq_id]
             seq = scheduled_seqs[seq_id]
             num_kept = seq.num_tokens - num_before[seq_id]  # the scheduler stops at a stop
+            last = completion.last_token_time
             for index, token_id in enumerate(result.token_ids[row][:num_kept]):
-                self._record_token(tracker, completion, seq, now)
+                # a call of k decode steps spreads its time over its k tokens for the
+                # inter-token latency, as if they had come one at a time
+                at = now if last is None else last + (now - last) * (index + 1) / num_kept
+                self._record_token(tracker, completion, seq, at)
                 logprobs = result.logprobs[row][index] if result.logprobs is not None else None
                 stop = add_token(completion, tracker.params, token_id, logprobs)
                 if stop is None:

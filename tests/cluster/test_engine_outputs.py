@@ -40,3 +40,22 @@ def vars_of(output):
     return (output.request_id, output.prompt_token_ids, output.finished,
             [(c.index, c.token_ids, c.text, c.finish_reason, c.stop_reason, c.logprobs)
              for c in output.outputs])
+
+
+def test_a_multi_step_call_spreads_its_time_over_its_tokens(tiny_models):
+    engine = LLMEngine(EngineConfig(model=str(tiny_models["llama"]), device="cpu",
+                                    dtype="float32", num_kv_blocks=64, decode_steps=4))
+    gaps: list[float] = []
+    engine.metrics.inter_token_latency.observe = gaps.append
+    engine.add_request([1, 2, 3], SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True))
+    calls, last = [], None
+    while engine.has_unfinished():
+        for out in engine.step():
+            calls.append(len(out.outputs[0].token_ids))
+            last = out
+    assert calls == [1, 5, 9]  # the prefill's token, then two calls of 4 steps
+    # each call's time, spread evenly over its 4 tokens: no zero gaps
+    assert len(gaps) == 8 and min(gaps) > 0
+    assert max(gaps[:4]) - min(gaps[:4]) < 1e-9 and max(gaps[4:]) - min(gaps[4:]) < 1e-9
+    total = last.metrics.finished_time - last.metrics.first_token_time
+    assert abs(sum(gaps) - total) < 1e-9
