@@ -1,6 +1,15 @@
-"""The HTTP ingress: a FastAPI app in a Ray Serve deployment that holds a ``TandemCluster``.
+"""The HTTP ingress: FastAPI apps in a Ray Serve deployment, in front of one ``TandemCluster``.
 
     serve run deploy/serve.yaml            # or: tandem serve --model smollm2-135m-instruct
+
+Two deployments make an application::
+
+    HTTP -> Serve proxy -> TandemServer (x ingress_replicas) -> router and engine replicas
+                           EngineHost (one replica): starts those actors, owns them
+
+``EngineHost`` (one replica) starts the cluster's actors and owns them for the app's life;
+every ``TandemServer`` replica attaches to the same actors, so the ingress (HTTP parsing, SSE
+encoding, one event loop per replica) scales without starting more engines.
 
 ``build_app`` makes the FastAPI app for one service (no Ray needed, no module state); the
 ``TandemServer`` deployment builds it when its replica starts (``serve.ingress()`` late-bound),
@@ -8,8 +17,7 @@ and ``app_builder`` is what a Serve config file's ``import_path`` names.
 """
 
 import asyncio
-from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -17,6 +25,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from ray import serve
 from ray.serve import Application
+from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException
 
 from cluster.http_guards import APIKeyGuard, BodyLimit
@@ -28,7 +37,8 @@ from cluster.request_streams import Cluster
 from cluster.serve_config import ServeConfig, load_config
 from cluster.tokenizer import load_tokenizer
 
-ClusterFactory = Callable[[ServeConfig], Cluster]
+if TYPE_CHECKING:
+    from cluster.tandem_cluster import ClusterHandles, TandemCluster
 
 
 def build_app(service: OpenAIService, config: ServeConfig) -> FastAPI:
@@ -98,34 +108,48 @@ def add_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(Exception, unexpected)
 
 
-def start_cluster(config: ServeConfig) -> Cluster:
+def start_cluster(config: ServeConfig) -> "TandemCluster":
     from cluster.tandem_cluster import TandemCluster
 
     return TandemCluster(config.engine_config(), num_replicas=config.num_replicas)
 
 
+@serve.deployment(name="tandem-engines", num_replicas=1, ray_actor_options={"num_cpus": 0})
+class EngineHost:
+    """Starts the cluster (router and engine replica actors) and owns it while the app lives."""
+
+    async def __init__(self, config: ServeConfig) -> None:
+        self.cluster = await asyncio.to_thread(start_cluster, config)
+
+    def handles(self) -> "ClusterHandles":
+        return self.cluster.handles()
+
+    def __del__(self) -> None:
+        self.cluster.shutdown()
+
+
 @serve.deployment(name="tandem", ray_actor_options={"num_cpus": 0})
 @serve.ingress()
 class TandemServer:
-    """One ingress replica; the engines are the cluster's own replica actors."""
+    """One ingress replica: the HTTP API over the cluster that ``EngineHost`` owns."""
 
-    async def __init__(self, config: ServeConfig,
-                       cluster_factory: ClusterFactory | None = None) -> None:
+    async def __init__(self, config: ServeConfig, engines: DeploymentHandle) -> None:
+        from cluster.tandem_cluster import TandemCluster
+
         self.config = config
-        self.cluster = await asyncio.to_thread(cluster_factory or start_cluster, config)
+        self.cluster: Cluster = TandemCluster.attach(await engines.handles.remote())
         tokenizer = load_tokenizer(self.cluster.model_path)
         self.service = OpenAIService(self.cluster, tokenizer, config.model_name)
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         return build_app(self.service, self.config)
 
-    def __del__(self) -> None:
-        self.cluster.shutdown()
 
-
-def server_app(config: ServeConfig, cluster_factory: ClusterFactory | None = None) -> Application:
-    return TandemServer.options(max_ongoing_requests=config.max_ongoing_requests).bind(
-        config, cluster_factory)
+def server_app(config: ServeConfig) -> Application:
+    engines = EngineHost.bind(config)
+    return TandemServer.options(
+        num_replicas=config.ingress_replicas, max_ongoing_requests=config.max_ongoing_requests,
+    ).bind(config, engines)
 
 
 def app_builder(args: dict[str, Any]) -> Application:

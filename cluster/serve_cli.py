@@ -18,6 +18,7 @@ FLAGS = {  # flag -> (ServeConfig field, type, help)
     "--served-model-name": ("served_model_name", str, "the name clients send as `model`"),
     "--tp": ("tensor_parallel_size", int, "tensor-parallel GPUs per replica (default: 1)"),
     "--replicas": ("num_replicas", int, "engine replicas (default: 1)"),
+    "--ingress-replicas": ("ingress_replicas", int, "HTTP ingress replicas (default: 1)"),
     "--host": ("host", str, "bind address (default: 127.0.0.1)"),
     "--port": ("port", int, "HTTP port (default: 8000)"),
     "--api-key": ("api_key", str, f"require this bearer key on /v1 (default: ${API_KEY_ENV})"),

@@ -25,6 +25,8 @@ class ServeConfig(BaseModel):
                                           "the catalog name or the folder's name.")
     tensor_parallel_size: int = Field(1, ge=1, le=8, description="GPUs per replica.")
     num_replicas: int = Field(1, ge=1, le=64, description="Engine replicas behind the router.")
+    ingress_replicas: int = Field(1, ge=1, le=64, description="HTTP ingress replicas, all in "
+                                  "front of the same engine replicas.")
     host: str = Field("127.0.0.1", description="Address the HTTP server binds to.")
     port: int = Field(8000, ge=1, le=65535, description="HTTP port.")
     api_key: str | None = Field(default_factory=lambda: os.environ.get(API_KEY_ENV) or None,

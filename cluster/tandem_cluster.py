@@ -10,6 +10,8 @@ that disconnected) aborts the request on its replica, which frees its KV blocks 
 """
 
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
 
 import ray
 
@@ -23,7 +25,20 @@ from router.sampling_params import SamplingParams
 from workers.catalog import resolve_model
 
 
+@dataclass(frozen=True)
+class ClusterHandles:
+    """A running cluster's actors, as another process attaches to them (actor handles pickle):
+    several HTTP ingress replicas share one set of engine replicas this way."""
+
+    replicas: list
+    router: object
+    model_path: str
+    max_model_len: int
+
+
 class TandemCluster:
+    owns_actors = True  # False for a view attached to another process's cluster
+
     def __init__(self, config: EngineConfig, num_replicas: int = 1,
                  policy: PlacementPolicy | None = None) -> None:
         if num_replicas < 1:
@@ -42,6 +57,20 @@ class TandemCluster:
         self.router = ray.remote(RouterActor).options(**ROUTER_ACTOR_OPTIONS).remote(
             num_replicas, policy
         )
+
+    def handles(self) -> ClusterHandles:
+        return ClusterHandles(list(self.replicas), self.router, str(self.model_path),
+                              self.max_model_len)
+
+    @classmethod
+    def attach(cls, handles: ClusterHandles) -> "TandemCluster":
+        """A view of a cluster another process started and owns: it sends requests to the
+        same replicas through the same router; its ``shutdown`` leaves the actors alone."""
+        view = cls.__new__(cls)
+        view.replicas, view.router = list(handles.replicas), handles.router
+        view.model_path, view.max_model_len = Path(handles.model_path), handles.max_model_len
+        view.owns_actors = False
+        return view
 
     async def generate(
         self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str
@@ -81,6 +110,8 @@ class TandemCluster:
         return [await getattr(replica, method).remote(*args) for replica in self.replicas]
 
     def shutdown(self) -> None:
+        if not self.owns_actors:
+            return
         ray.get([replica.shutdown.remote() for replica in self.replicas])
         for actor in [*self.replicas, self.router]:
             ray.kill(actor)

@@ -179,6 +179,8 @@ def add_serve_bench_parser(workloads: argparse._SubParsersAction) -> None:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--replicas", type=int, default=1)
+    parser.add_argument("--ingress-replicas", type=int, default=1,
+                        help="HTTP ingress replicas in front of the same engines")
     parser.add_argument("--max-num-seqs", type=int, default=128)
     parser.add_argument("--num-kv-blocks", type=int)
     parser.add_argument("--input-len", type=int, default=1024)
@@ -230,6 +232,7 @@ async def _serve_bench(args: argparse.Namespace, loads: list[Load]) -> int:
     config = load_config({
         "model": args.model, "dtype": args.dtype, "device": args.device,
         "tensor_parallel_size": args.tp, "num_replicas": args.replicas,
+        "ingress_replicas": args.ingress_replicas,
         "max_num_seqs": args.max_num_seqs, "num_kv_blocks": args.num_kv_blocks,
         "max_model_len": args.input_len + args.output_len + 16, "api_key": None,
     })

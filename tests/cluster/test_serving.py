@@ -43,8 +43,9 @@ def base_url():
     common = dict(model=MODEL, device="cpu", dtype="float32", num_kv_blocks=96,
                   max_model_len=256, max_body_bytes=64 << 10)
     serve.run(server_app(ServeConfig(**common, api_key=None)), name="open", route_prefix="/")
-    serve.run(server_app(ServeConfig(**common, api_key=API_KEY)), name="keyed",
-              route_prefix="/keyed")
+    # two HTTP replicas in front of one engine replica
+    serve.run(server_app(ServeConfig(**common, api_key=API_KEY, ingress_replicas=2)),
+              name="keyed", route_prefix="/keyed")
     yield f"http://127.0.0.1:{port}"
     serve.shutdown()
     if started_ray:
@@ -216,3 +217,27 @@ def test_metrics_are_all_exposed(client, base_url):
     assert values["tandem:generation_tokens_total{}"] >= 4
     assert values["tandem:kv_cache_blocks_total{}"] == 96
     assert {s.labels["model_name"] for s in families["tandem:batch_size"].samples} == {MODEL}
+
+
+def test_ingress_replicas_share_one_set_of_engines(base_url):
+    from concurrent.futures import ThreadPoolExecutor
+
+    status = serve.status().applications["keyed"].deployments
+    assert status["tandem"].replica_states.get("RUNNING") == 2
+    assert status["tandem-engines"].replica_states.get("RUNNING") == 1
+    def generated_by_replica() -> list[tuple[str, float]]:
+        text = httpx.get(f"{base_url}/keyed/metrics").text
+        return [(s.labels["replica"], s.value) for f in text_string_to_metric_families(text)
+                for s in f.samples if s.name == "tandem:generation_tokens_total"]
+
+    [(_, before)] = generated_by_replica()
+    keyed = openai.OpenAI(base_url=f"{base_url}/keyed/v1", api_key=API_KEY, max_retries=0)
+    with ThreadPoolExecutor(8) as pool:
+        outs = list(pool.map(lambda _: keyed.completions.create(
+            prompt=PROMPT, max_tokens=6, **greedy()).choices[0].text, range(8)))
+    expected = keyed.completions.create(prompt=PROMPT, max_tokens=6, **greedy()).choices[0].text
+    assert outs == [expected] * 8
+    # whichever HTTP replica answers, /metrics reports the one engine, which ran all 9 (were
+    # there an engine per HTTP replica, the requests would split between them)
+    for _ in range(4):
+        assert generated_by_replica() == [("0", before + 9 * 6)]
