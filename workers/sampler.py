@@ -40,6 +40,12 @@ class SamplingSpec:
     def is_greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE
 
+    @property
+    def uses_history(self) -> bool:
+        """Whether sampling reads the tokens before this one (the penalties do)."""
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0)
+
 
 @dataclass
 class SamplerOutput:

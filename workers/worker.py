@@ -171,7 +171,7 @@ class Worker:
         first = build_decode_rows(scheduled, self.states, self.config.block_size)
         if first is None:
             raise ValueError("num_steps > 1 needs a step where every sequence decodes")
-        if any(state_uses_history(self.states[r]) for r in first.request_ids):
+        if any(self.states[r].spec.uses_history for r in first.request_ids):
             raise ValueError("num_steps > 1 cannot apply penalties: they need every token")
         tokens: torch.Tensor | None = None  # (B,) on the device: the last step's samples
         outputs: list[SamplerOutput] = []
@@ -227,10 +227,3 @@ class Worker:
             for row, width in enumerate(widths):
                 logprobs[row].append(list(zip(ids[row][:width], values[row][:width], strict=True)))
         return StepOutput(request_ids, token_ids, logprobs)
-
-
-def state_uses_history(state: RequestState) -> bool:
-    """Whether sampling this request reads its earlier tokens (penalties do)."""
-    spec = state.spec
-    return (spec.repetition_penalty != 1.0 or spec.presence_penalty != 0.0
-            or spec.frequency_penalty != 0.0)
