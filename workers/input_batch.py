@@ -120,10 +120,10 @@ def packed_to_device(segments: Sequence[np.ndarray], dtype: type,
     sizes = [len(segment) for segment in segments]
     starts = np.cumsum([0] + [-(-n // per) * per for n in sizes])
     flat = np.zeros(int(starts[-1]), dtype=dtype)
-    for start, segment in zip(starts, segments, strict=False):
+    for start, segment in zip(starts[:-1], segments, strict=True):
         flat[start : start + len(segment)] = segment
     tensor = to_device(flat, device)
-    return [tensor[start : start + n] for start, n in zip(starts, sizes, strict=False)]
+    return [tensor[start : start + n] for start, n in zip(starts[:-1], sizes, strict=True)]
 
 
 def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:

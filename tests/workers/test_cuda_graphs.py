@@ -184,3 +184,4 @@ def test_uses_graphs_needs_cuda_triton_and_no_enforce_eager(tiny_models):
     worker = Worker(WorkerConfig(str(tiny_models["llama"])))
     assert not worker.uses_graphs  # CPU: eager, reference attention
 
+
