@@ -182,23 +182,21 @@ class LLMEngine:
             touched[request_id] = tracker
             completion = tracker.completions[seq_id]
             seq = scheduled_seqs[seq_id]
-            num_kept = seq.num_tokens - num_before[seq_id]  # the scheduler stops at a stop
-            last = completion.last_token_time
-            for index, token_id in enumerate(result.token_ids[row][:num_kept]):
-                # a call of k decode steps spreads its time over its k tokens for the
-                # inter-token latency, as if they had come one at a time
-                at = now if last is None else last + (now - last) * (index + 1) / num_kept
-                self._record_token(tracker, completion, seq, at)
+            kept = result.token_ids[row][: seq.num_tokens - num_before[seq_id]]  # to a stop
+            num_output = len(kept)
+            for index, token_id in enumerate(kept):
                 logprobs = result.logprobs[row][index] if result.logprobs is not None else None
                 stop = add_token(completion, tracker.params, token_id, logprobs)
                 if stop is None:
                     continue
-                if seq_id not in finished:  # a stop string: the tokens after it are dropped
+                num_output = index + 1  # a stop string: the tokens after it are dropped
+                if seq_id not in finished:
                     if self.scheduler.finish(seq_id, FinishReason.STOP, stop_reason=stop):
                         finished[seq_id] = seq
                 else:  # finished by length or EOS on a token at or after the stop string
                     seq.finish(FinishReason.STOP, stop_reason=stop)
                 break
+            self._record_tokens(tracker, completion, seq, now, num_output, len(kept))
             if seq_id in finished:
                 finish_completion(completion, finished[seq_id])
                 self._record_finish(tracker, finished[seq_id], now)
@@ -209,18 +207,28 @@ class LLMEngine:
             if tracker.finished:
                 self._drop(tracker.request_id)
 
-    def _record_token(self, tracker: RequestTracker, completion: CompletionTracker,
-                      seq: Sequence, now: float) -> None:
-        self.metrics.generation_tokens += 1
-        if completion.last_token_time is not None:
-            self.metrics.inter_token_latency.observe(now - completion.last_token_time)
-        completion.last_token_time = now
-        if tracker.metrics.first_token_time is None:
-            tracker.metrics.first_token_time = now
-            arrival = tracker.metrics.arrival_time
-            scheduled = seq.first_scheduled_time or arrival
-            self.metrics.on_first_token(len(tracker.prompt_token_ids), now - arrival,
-                                        scheduled - arrival)
+    def _record_tokens(self, tracker: RequestTracker, completion: CompletionTracker,
+                       seq: Sequence, now: float, count: int, num_sampled: int) -> None:
+        """Metrics of ``count`` new output tokens of one completion, the first ``count`` of
+        the ``num_sampled`` its call returned: a call of k decode steps spreads its time over
+        its k tokens for the inter-token latency, as if they had come one at a time."""
+        if not count:
+            return
+        self.metrics.generation_tokens += count
+        last = completion.last_token_time
+        if last is None:  # the first token: time to first token and queue time
+            last = completion.last_token_time = now
+            count -= 1
+            if tracker.metrics.first_token_time is None:
+                tracker.metrics.first_token_time = now
+                arrival = tracker.metrics.arrival_time
+                scheduled = seq.first_scheduled_time or arrival
+                self.metrics.on_first_token(len(tracker.prompt_token_ids), now - arrival,
+                                            scheduled - arrival)
+        if count:
+            gap = (now - last) / num_sampled
+            self.metrics.inter_token_latency.observe(gap, times=count)
+            completion.last_token_time = last + gap * count
 
     def _record_finish(self, tracker: RequestTracker, seq: Sequence, now: float) -> None:
         tracker.metrics.num_cached_tokens = max(seq.num_cached_tokens, 0)

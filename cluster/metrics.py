@@ -27,10 +27,10 @@ class Histogram:
         if not self.counts:
             self.counts = [0] * (len(self.bounds) + 1)
 
-    def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(self.bounds, value)] += 1
-        self.total += value
-        self.count += 1
+    def observe(self, value: float, times: int = 1) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += times
+        self.total += value * times
+        self.count += times
 
     def copy(self) -> "Histogram":
         return Histogram(self.bounds, list(self.counts), self.total, self.count)

@@ -235,10 +235,7 @@ class Scheduler:
                 continue  # aborted or preempted since it was scheduled
             # a call of k steps computes the first input and the k - 1 tokens fed back after it
             seq.num_computed_tokens += item.num_new_tokens + output.num_steps - 1
-            for token_id in sampled.get(seq.request_id, ()):
-                seq.token_ids.append(token_id)
-                if self._check_stop(seq, token_id):
-                    break  # the tokens sampled after a stop are dropped
+            self._append_until_stop(seq, sampled.get(seq.request_id, ()))
             seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens)
             cache_blocks(seq.request_id, seq.token_ids, seq.num_computed_tokens)
             if seq.is_finished:
@@ -246,18 +243,28 @@ class Scheduler:
                 finished.append(seq)
         return finished
 
-    def _check_stop(self, seq: Sequence, token_id: int) -> bool:
+    def _append_until_stop(self, seq: Sequence, token_ids: Seq[int]) -> None:
+        """Appends the sampled tokens up to the first that ends the sequence — EOS (unless
+        ignored), a stop token, its ``max_tokens``th or the model's last — and finishes it
+        there; the tokens after it are dropped. One pass over a call's tokens."""
+        if not token_ids:
+            return
         params = seq.params
-        if not params.ignore_eos and token_id in seq.eos_token_ids:
-            seq.finish(FinishReason.STOP)
-        elif token_id in params.stop_token_ids:
-            seq.finish(FinishReason.STOP, stop_reason=token_id)
-        elif (
-            seq.num_output_tokens >= params.max_tokens
-            or seq.num_tokens >= self.config.max_model_len
-        ):
+        room = min(params.max_tokens - seq.num_output_tokens,
+                   self.config.max_model_len - seq.num_tokens)
+        kept = token_ids[: max(room, 1)]
+        stop_ids = seq.stop_ids
+        for index, token_id in enumerate(kept):
+            if token_id in stop_ids:
+                seq.token_ids.extend(kept[: index + 1])
+                if token_id in seq.eos_token_ids and not params.ignore_eos:
+                    seq.finish(FinishReason.STOP)
+                else:
+                    seq.finish(FinishReason.STOP, stop_reason=token_id)
+                return
+        seq.token_ids.extend(kept)
+        if len(kept) >= room:
             seq.finish(FinishReason.LENGTH)
-        return seq.is_finished
 
     def finish(self, request_id: str, reason: FinishReason, stop_reason: str | None = None) -> (
         Sequence | None

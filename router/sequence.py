@@ -39,10 +39,13 @@ class Sequence:
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     token_ids: list[int] = field(init=False)
+    stop_ids: frozenset[int] = field(init=False)
     first_scheduled_time: float | None = None
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
+        eos = frozenset() if self.params.ignore_eos else self.eos_token_ids
+        self.stop_ids = eos | frozenset(self.params.stop_token_ids)  # tokens that end it
 
     @property
     def num_tokens(self) -> int:

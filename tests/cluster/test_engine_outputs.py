@@ -46,7 +46,7 @@ def test_a_multi_step_call_spreads_its_time_over_its_tokens(tiny_models):
     engine = LLMEngine(EngineConfig(model=str(tiny_models["llama"]), device="cpu",
                                     dtype="float32", num_kv_blocks=64, decode_steps=4))
     gaps: list[float] = []
-    engine.metrics.inter_token_latency.observe = gaps.append
+    engine.metrics.inter_token_latency.observe = lambda value, times=1: gaps.extend([value] * times)
     engine.add_request([1, 2, 3], SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True))
     calls, last = [], None
     while engine.has_unfinished():
