@@ -91,8 +91,9 @@ def decode_batch(rows: DecodeRows, device: torch.device,
     replace the rows' host tokens (the tokens the step before sampled, never read back)."""
     num_seqs = len(rows.request_ids)
     table = rows.block_tables
-    ids, pos, slots = packed_to_device([rows.input_ids, rows.positions, rows.slots], np.int64,
-                                       device)
+    # the rows' host tokens go only when the device does not already hold the step's tokens
+    host_ids = [rows.input_ids] if input_ids is None else []
+    *ids, pos, slots = packed_to_device([*host_ids, rows.positions, rows.slots], np.int64, device)
     qsl, lens, flat_table = packed_to_device(
         [np.arange(num_seqs + 1), rows.seq_lens, table.ravel()], np.int32, device)
     seq_lens = rows.seq_lens.tolist()
@@ -102,7 +103,7 @@ def decode_batch(rows: DecodeRows, device: torch.device,
         query_lens_cpu=[1] * num_seqs, seq_lens_cpu=seq_lens,
     )
     sample_indices = torch.arange(num_seqs, device=device)
-    return InputBatch(ids if input_ids is None else input_ids, pos, meta,
+    return InputBatch(ids[0] if input_ids is None else input_ids, pos, meta,
                       list(rows.request_ids), sample_indices)
 
 

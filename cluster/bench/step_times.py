@@ -64,7 +64,7 @@ def trace(llm, requests, profile_kinds: tuple[str, ...] = (), profile_skip: int 
                 return profiled(execute, step)  # leaves `last` empty: not counted
         start = time.perf_counter()
         result = execute(step)
-        last.update(kind=kind_of(step), execute_s=time.perf_counter() - start,
+        last.update(kind=kind, execute_s=time.perf_counter() - start,
                     tokens=sum(item.num_new_tokens for item in step.scheduled) * step.num_steps,
                     seqs=len(step.scheduled))
         return result
