@@ -135,6 +135,10 @@ def tp_worker(rank: int, port: int, folders: list, out_dir: str) -> None:
             model, config = load_ours(folder, tp)
             logits = prefill_then_decode(model, config, prompt(config.vocab_size), tp_size=2)
             torch.save(logits, f"{folder}/logits_rank{rank}.pt")
+        # both ranks done before either tears down: rank 0 hosts the store rank 1 talks to,
+        # and a store gone mid-teardown aborts rank 1 ("terminate called without an active
+        # exception"), seen once under a loaded full run
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 

@@ -22,7 +22,10 @@ def run_rank(rank: int, port: int, results) -> None:
             "one_false": tp.all_true(rank == 0, cpu),
             "all_true": tp.all_true(True, cpu),
             "reduce": tp.all_reduce(torch.ones(2) * (rank + 1)).tolist(),
+            # rank 0's sampled tokens reach every rank (multi-step decoding under TP)
+            "broadcast": tp.broadcast(torch.tensor([7, 8]) + 100 * rank, src=0).tolist(),
         }
+        dist.barrier()  # both done before the store's host (rank 0) tears down
     finally:
         dist.destroy_process_group()
 
@@ -42,5 +45,6 @@ def test_collectives_over_two_gloo_ranks():
         "one_false": False,  # the ranks agree: graphs only when every rank captured
         "all_true": True,
         "reduce": [3.0, 3.0],
+        "broadcast": [7, 8],
     }
     assert results == {0: expected, 1: expected}
