@@ -20,6 +20,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"  # auto | reference | triton
     enforce_eager: bool = False  # no CUDA graphs for decode steps
+    # tensor parallel on GPUs: small all-reduces (decode steps) through peer memory over NVLink
+    # in one kernel; False: NCCL does every sum
+    symmetric_all_reduce: bool = True
     # decode steps one call to the workers may run back to back when every request decodes
     # (no host round trip between them); 0: auto, 8 on a GPU and 1 on the CPU
     decode_steps: int = 0

@@ -53,6 +53,8 @@ class ShardActor:
                 rank=self.rank, world_size=self.world_size, timeout=timedelta(minutes=5),
             )
             tp = TensorParallelGroup.from_process_group()
+            if on_gpu and self.config.symmetric_all_reduce:
+                tp = tp.with_symmetric_all_reduce(torch.device("cuda", 0))
         self.worker = Worker(self.config, tp)
 
     def determine_num_kv_blocks(self) -> int:
@@ -71,6 +73,11 @@ class ShardActor:
         """Whether decode steps replay CUDA graphs (all ranks agree at capture)."""
         assert self.worker is not None
         return self.worker.graphs is not None
+
+    def uses_symmetric_all_reduce(self) -> bool:
+        """Whether small sums go through peer memory rather than NCCL (all ranks agree)."""
+        assert self.worker is not None
+        return self.worker.tp.symmetric is not None
 
     def pid(self) -> int:
         return os.getpid()

@@ -38,6 +38,7 @@ class WorkerConfig:
     max_num_batched_tokens: int = 2048  # sizes the activation probe on a GPU
     max_num_seqs: int = 256  # the largest decode batch a CUDA graph is captured for
     enforce_eager: bool = False  # no CUDA graphs: every step runs eagerly
+    symmetric_all_reduce: bool = True  # TP on GPUs: small sums through peer memory, not NCCL
     seed: int = 0
 
     @property

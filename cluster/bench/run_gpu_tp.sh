@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The two-GPU runs of docs/benchmarks.md: TP=2 GPU tests, W7 (TP 1 vs 2) and W3 (serving).
+# The two-GPU runs of docs/benchmarks.md: all-reduce latency (NCCL vs peer memory), W7
+# (TP 1 vs 2, TP 2 with NCCL sums and with peer-memory sums) and the TP=2 GPU tests.
 # Needs Ray and pydantic: on the GPU machine, `source .kit/on-device.sh` first.
 # Usage: OUT=<folder> bash cluster/bench/run_gpu_tp.sh   (each stage has its own time limit)
 set -o pipefail
@@ -9,9 +10,9 @@ OUT=${OUT:-bench-results}; mkdir -p "$OUT"
 LOG="$OUT/log-tp.txt"; ERR="$OUT/stderr-tp.txt"
 stage() { echo "== $1" | tee -a "$LOG"; shift; timeout "$@" 2>>"$ERR" | tee -a "$LOG"; echo "rc=$?" | tee -a "$LOG"; }
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv | tee -a "$LOG"
-stage "gpu tests (TP)" ${TP_TESTS_TIME:-150} python -m pytest -q -p no:cacheprovider -m gpu \
-  tests/workers/test_cuda_graphs.py tests/workers/test_tp_graphs.py
-stage "W7 tp scaling" ${W7_TIME:-300} python -m cluster.bench.tp_scaling --shape llama-3.1-8b \
+stage "all-reduce in a graph (one GPU visible per process)" ${AR_TIME:-120} python -m \
+  cluster.bench.all_reduce --isolate --output "$OUT/all-reduce.json"
+stage "W7 tp scaling" ${W7_TIME:-420} python -m cluster.bench.tp_scaling --shape llama-3.1-8b \
   --tp 1 2 --batch 1 64 --output "$OUT/w7.json"
-stage "W3 serve" ${W3_TIME:-150} python -m cluster.bench serve --shape llama-3.2-1b \
-  --concurrency 1,8,32 --output "$OUT/w3.json"
+stage "gpu tests (TP)" ${TP_TESTS_TIME:-150} python -m pytest -q -p no:cacheprovider -m gpu \
+  ${TP_TESTS:-tests/workers/test_cuda_graphs.py tests/workers/test_tp_graphs.py}

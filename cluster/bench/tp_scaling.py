@@ -45,11 +45,13 @@ def timed_batch(llm: LLM, prompts: list[list[int]], output_len: int) -> dict:
             "output_tok_per_s": len(prompts) * output_len / wall}
 
 
-def measure(folder: Path, tp: int, backend: str, args: argparse.Namespace) -> dict:
+def measure(folder: Path, tp: int, backend: str, args: argparse.Namespace,
+            symmetric: bool = True) -> dict:
     dtype = "bfloat16" if args.device == "cuda" else "float32"
     llm = LLM(str(folder), device=args.device, dtype=dtype, tensor_parallel_size=tp,
               distributed_executor_backend=backend, max_num_seqs=max(args.batch),
-              gpu_memory_utilization=args.gpu_memory_utilization)
+              gpu_memory_utilization=args.gpu_memory_utilization,
+              symmetric_all_reduce=symmetric)
     vocab = llm.engine.vocab_size
     try:
         llm.generate(random_prompts(2, 16, vocab, 99), SamplingParams(max_tokens=8))  # warm up
@@ -58,7 +60,8 @@ def measure(folder: Path, tp: int, backend: str, args: argparse.Namespace) -> di
         greedy = llm.generate(random_prompts(AGREEMENT_PROMPTS, args.prompt_len, vocab, 7),
                               SamplingParams(temperature=0.0, max_tokens=AGREEMENT_TOKENS,
                                              ignore_eos=True))
-        return {"tp": tp, "executor": backend, "runs": runs,
+        label = backend if tp == 1 else f"{backend}, {'peer-memory' if symmetric else 'NCCL'} sums"
+        return {"tp": tp, "executor": label, "runs": runs,
                 "greedy": [o.token_ids for o in greedy]}
     finally:
         llm.engine.shutdown()
@@ -89,13 +92,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.8)
     parser.add_argument("--model-root", default="/tmp/tandem-shapes")
     parser.add_argument("--with-uni", action="store_true", help="also TP=1 in-process")
+    parser.add_argument("--all-reduce", choices=["symmetric", "nccl", "both"], default="both",
+                        help="TP > 1: small sums through peer memory, NCCL only, or both runs")
     parser.add_argument("--output", default="bench-results/w7.json")
     args = parser.parse_args(argv)
     folder = Path(args.model) if args.model else build_random_model(args.shape,
                                                                      Path(args.model_root))
     weight_bytes = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
     bandwidth = measure_bandwidth(torch.device(args.device))
-    results = [measure(folder, tp, "ray", args) for tp in args.tp]
+    variants = {"symmetric": [True], "nccl": [False], "both": [False, True]}[args.all_reduce]
+    results = [measure(folder, tp, "ray", args, symmetric)
+               for tp in args.tp for symmetric in (variants if tp > 1 else [True])]
     if args.with_uni:
         results.append(measure(folder, 1, "uni", args))
     base = results[0]

@@ -8,8 +8,9 @@ import pytest
 
 @pytest.mark.gpu
 def test_tensor_parallel_graph_replay_matches_eager(ray_session, tiny_models):
-    """Two GPUs: TP=2 replaying decode graphs (NCCL all-reduce inside) equals TP=2 eager.
-    If the graphs are off, the shard actors' logs say why ("decode CUDA graphs off")."""
+    """Two GPUs: TP=2 replaying decode graphs equals TP=2 eager, with the small sums inside the
+    graphs done by NCCL or by the peer-memory kernel. If the graphs or the peer-memory sums are
+    off, the shard actors' logs say why."""
     import ray
 
     from cluster.llm import LLM
@@ -19,17 +20,41 @@ def test_tensor_parallel_graph_replay_matches_eager(ray_session, tiny_models):
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     outs = {}
     # eager one step a call; graphs 8 steps a call (rank 0 broadcasts each step's tokens)
-    for eager, steps in [(True, 1), (False, 8)]:
+    for eager, steps, symmetric in [(True, 1, False), (False, 8, False), (False, 8, True)]:
         llm = LLM(model=str(tiny_models["llama"]), device="cuda", dtype="float32",
                   num_kv_blocks=128, enforce_eager=eager, max_num_seqs=8,
                   tensor_parallel_size=2, distributed_executor_backend="ray",
-                  decode_steps=steps)
+                  decode_steps=steps, symmetric_all_reduce=symmetric)
         try:
             actors = llm.engine.executor.actors
             assert ray.get([a.uses_cuda_graphs.remote() for a in actors]) == [not eager] * 2
-            outs[eager] = [o.token_ids for o in llm.generate(prompts, params)]
-            outs[eager, "again"] = [o.token_ids for o in llm.generate(prompts[:3], params)]
+            assert ray.get([a.uses_symmetric_all_reduce.remote() for a in actors]) == \
+                [symmetric] * 2
+            key = (eager, symmetric)
+            outs[key] = [o.token_ids for o in llm.generate(prompts, params)]
+            outs[key, "again"] = [o.token_ids for o in llm.generate(prompts[:3], params)]
         finally:
             llm.engine.shutdown()
-    assert outs[True] == outs[False]
-    assert outs[True, "again"] == outs[False, "again"]
+    baseline = outs[True, False]
+    assert outs[False, False] == baseline and outs[False, True] == baseline
+    again = outs[(True, False), "again"]
+    assert outs[(False, False), "again"] == again and outs[(False, True), "again"] == again
+
+
+@pytest.mark.gpu
+def test_peer_memory_sums_equal_nccl_at_decode_sizes():
+    """Two GPUs, one process each seeing only its own GPU (as under Ray): the peer-memory sum of
+    bf16 rows equals NCCL's bit for bit at every decode size measured."""
+    import json
+    import subprocess
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory() as folder:
+        out = Path(folder) / "sums.json"
+        subprocess.run([sys.executable, "-m", "cluster.bench.all_reduce", "--rows", "1", "3",
+                        "64", "--hidden", "1024", "--replays", "2", "--isolate",
+                        "--output", str(out)], check=True, timeout=240)
+        rows = json.loads(out.read_text())["rows"]
+    assert [(r["rows"], r["equal"]) for r in rows] == [(1, True), (3, True), (64, True)]
