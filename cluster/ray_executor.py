@@ -19,7 +19,7 @@ class RayExecutor:
         if not ray.is_initialized():
             ray.init()
         on_gpu = config.device.startswith("cuda")
-        if on_gpu:  # each actor sees one GPU, always its cuda:0
+        if on_gpu:  # each actor runs on its own GPU, the current CUDA device it picks
             config = WorkerConfig(**{**config.__dict__, "device": "cuda"})
         bundle = {"GPU": 1, "CPU": 1} if on_gpu else {"CPU": 1}
         # STRICT_PACK: every shard of one replica on one node, where NVLink joins the GPUs
@@ -37,7 +37,11 @@ class RayExecutor:
             for rank in range(tensor_parallel_size)
         ]
         address = ray.get(self.actors[0].rendezvous_address.remote())
-        self._all(lambda actor: actor.init_worker.remote(address))
+        # the replica's GPUs, in the ids Ray gave them: every shard sees them all (peer memory
+        # between shards needs each rank on a device index of its own)
+        replica_gpus = sorted({gpu for ids in self._all(lambda a: a.gpu_ids.remote())
+                               for gpu in ids})
+        self._all(lambda actor: actor.init_worker.remote(address, replica_gpus))
         self.step_graph = None  # compiled once the KV cache exists (init_kv_cache)
 
     def _all(self, call) -> list:

@@ -38,23 +38,38 @@ class ShardActor:
     def rendezvous_address(self) -> str:
         return free_address()
 
-    def init_worker(self, address: str) -> None:
-        """Joins the replica's process group, then loads this rank's shard of the weights."""
+    def gpu_ids(self) -> list[str]:
+        """The GPUs Ray gave this actor, as CUDA_VISIBLE_DEVICES names them."""
+        return [str(gpu) for gpu in ray.get_gpu_ids()]
+
+    def init_worker(self, address: str, replica_gpus: list[str] | None = None) -> None:
+        """Joins the replica's process group, then loads this rank's shard of the weights.
+
+        replica_gpus: every GPU of the replica (one per rank, on this node). Ray shows an actor
+        only its own GPU, as cuda:0 in every rank; PyTorch's peer-memory rendezvous refuses
+        ranks on the same device index, so each shard sees all of them and picks its own."""
+        on_gpu = self.config.device.startswith("cuda")
+        if on_gpu and replica_gpus:
+            own = self.gpu_ids()
+            assert len(own) == 1 and own[0] in replica_gpus, (own, replica_gpus)
+            os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(replica_gpus)  # before CUDA starts
+            torch.cuda.set_device(replica_gpus.index(own[0]))
         tp = TensorParallelGroup.single()
         if self.world_size > 1:
-            on_gpu = self.config.device.startswith("cuda")
             if on_gpu:
-                torch.cuda.set_device(0)  # Ray exposes exactly one GPU to this actor
                 # decode CUDA graphs capture NCCL collectives: no recordStream on their buffers
                 # (read when the process group is made)
                 os.environ.setdefault("TORCH_NCCL_AVOID_RECORD_STREAMS", "1")
+            # bound to this rank's GPU: NCCL would otherwise guess cuda:<rank> for barriers
+            device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else None
             dist.init_process_group(
                 "nccl" if on_gpu else "gloo", init_method=f"tcp://{address}",
                 rank=self.rank, world_size=self.world_size, timeout=timedelta(minutes=5),
+                device_id=device,
             )
             tp = TensorParallelGroup.from_process_group()
-            if on_gpu and self.config.symmetric_all_reduce:
-                tp = tp.with_symmetric_all_reduce(torch.device("cuda", 0))
+            if device is not None and self.config.symmetric_all_reduce:
+                tp = tp.with_symmetric_all_reduce(device)
         self.worker = Worker(self.config, tp)
 
     def determine_num_kv_blocks(self) -> int:

@@ -2,10 +2,11 @@
 
 Two (or more) processes, one GPU each, sum decode-sized tensors (rows x hidden, bf16) many times
 inside one captured graph, as a tensor-parallel decode step does; the figure is µs per sum.
-``--isolate`` gives each process only its own GPU (CUDA_VISIBLE_DEVICES), as Ray does for shard
-actors. Each size's peer-memory sum is checked equal to NCCL's.
+Every process sees every GPU and runs on cuda:rank, as the shard actors do (PyTorch's peer-memory
+rendezvous refuses two ranks on the same device index). Each size's peer-memory sum is checked
+equal to NCCL's.
 
-    python -m cluster.bench.all_reduce --world-size 2 --rows 1 8 64 256 --hidden 4096 --isolate
+    python -m cluster.bench.all_reduce --world-size 2 --rows 1 8 64 256 --hidden 4096
 """
 
 import argparse
@@ -50,9 +51,7 @@ def graph_us_per_call(fn, x: torch.Tensor, replays: int) -> float:
 
 
 def run_rank(rank: int, args: argparse.Namespace, port: int, queue) -> None:
-    if args.isolate:
-        os.environ["CUDA_VISIBLE_DEVICES"] = str(rank)
-    device = torch.device("cuda", 0 if args.isolate else rank)
+    device = torch.device("cuda", rank)
     torch.cuda.set_device(device)
     os.environ.setdefault("TORCH_NCCL_AVOID_RECORD_STREAMS", "1")
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
@@ -83,8 +82,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 64, 256])
     parser.add_argument("--hidden", type=int, default=4096)
     parser.add_argument("--replays", type=int, default=50)
-    parser.add_argument("--isolate", action="store_true",
-                        help="each process sees only its own GPU, as under Ray")
     parser.add_argument("--output", help="a JSON file for the figures")
     args = parser.parse_args(argv)
     if torch.cuda.device_count() < args.world_size:
@@ -101,7 +98,7 @@ def main(argv: list[str] | None = None) -> None:
               f"{r['nccl_us'] / r['symmetric_us']:.2f}x | {r['equal']} |")
     if args.output:
         with open(args.output, "w") as f:
-            json.dump({"isolate": args.isolate, "world_size": args.world_size, "rows": rows}, f,
+            json.dump({"world_size": args.world_size, "rows": rows}, f,
                       indent=2)
 
 

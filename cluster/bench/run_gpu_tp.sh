@@ -10,8 +10,7 @@ OUT=${OUT:-bench-results}; mkdir -p "$OUT"
 LOG="$OUT/log-tp.txt"; ERR="$OUT/stderr-tp.txt"
 stage() { echo "== $1" | tee -a "$LOG"; shift; timeout "$@" 2>>"$ERR" | tee -a "$LOG"; echo "rc=$?" | tee -a "$LOG"; }
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv | tee -a "$LOG"
-stage "all-reduce in a graph (one GPU visible per process)" ${AR_TIME:-120} python -m \
-  cluster.bench.all_reduce --isolate --output "$OUT/all-reduce.json"
+stage "all-reduce in a graph" ${AR_TIME:-120} python -m cluster.bench.all_reduce --output "$OUT/all-reduce.json"
 stage "W7 tp scaling" ${W7_TIME:-420} python -m cluster.bench.tp_scaling --shape llama-3.1-8b \
   --tp 1 2 --batch 1 64 --output "$OUT/w7.json"
 stage "gpu tests (TP)" ${TP_TESTS_TIME:-150} python -m pytest -q -p no:cacheprovider -m gpu \

@@ -253,12 +253,12 @@ async def _serve_bench(args: argparse.Namespace, loads: list[Load]) -> int:
     async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=None,
                                  limits=limits) as client:
         http = await run_loads(http_sender(client, config.model_name), args, loads, vocab)
-    serve.shutdown()
-
     record = {"workload": "serve", "config": vars(args) | {"handler": None},
               "environment": environment(_device(config.engine_config().resolved_device)),
               "in_process": in_process, "http": http}
-    return 0 if publish(record, table(loads, in_process, http), args.output) else 1
+    published = publish(record, table(loads, in_process, http), args.output)
+    serve.shutdown()  # after the figures are out: it can take Serve tens of seconds
+    return 0 if published else 1
 
 
 def _device(name: str):  # type: ignore[no-untyped-def]

@@ -168,6 +168,8 @@ def decode_attention(
     num_splits: int,
     out: torch.Tensor | None = None,  # (B, heads, head_dim)
     block_n: int = 64,
+    num_warps: int = 4,
+    num_stages: int = 3,
 ) -> torch.Tensor:
     """Paged attention of one query token per sequence over its whole cached context.
 
@@ -218,6 +220,8 @@ def decode_attention(
         BLOCK_N=block_n,
         NUM_SPLITS=num_splits,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=num_warps,
+        num_stages=num_stages,
     )
     if num_splits > 1:
         _decode_reduce_kernel[(batch_size, num_heads)](

@@ -38,7 +38,6 @@ class SymmetricAllReduce:
         self.max_bytes = max_bytes
         if hasattr(symm_mem, "get_backend") and symm_mem.get_backend(device) is None:
             symm_mem.set_backend("CUDA")  # peer pointers through the CUDA driver, not NVSHMEM
-        symm_mem.enable_symm_mem_for_group(self.group_name)
         self.buffer = symm_mem.empty(max_bytes, dtype=torch.uint8, device=device)
         symm_mem.rendezvous(self.buffer, group)  # collective: every rank maps every buffer
 
