@@ -68,6 +68,9 @@ class Worker:
         self.config = config
         self.tp = tp or TensorParallelGroup.single()
         self.device = torch.device(config.device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self._use_device()
         self.dtype = config.torch_dtype
         backend = make_attention_backend(config.attention_backend, self.device)
         self.model, self.hf_config = load_model(
@@ -81,12 +84,20 @@ class Worker:
         self.uses_graphs = (self.device.type == "cuda" and not config.enforce_eager
                             and backend.name == "triton")
 
+    def _use_device(self) -> None:
+        """Makes this worker's GPU the calling thread's current device. Triton launches, graph
+        replays and streams follow the current device, which is per thread: a Ray compiled
+        graph calls ``execute`` from a thread of its own, where it would be cuda:0."""
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+
     @property
     def is_driver(self) -> bool:
         return self.tp.rank == 0
 
     def determine_num_kv_blocks(self) -> int:
         """How many KV blocks fit: a fixed budget on the CPU, free memory on a GPU."""
+        self._use_device()
         block_bytes = kv_bytes_per_block(
             self.hf_config, self.tp.size, self.config.block_size, self.dtype
         )
@@ -118,6 +129,7 @@ class Worker:
 
     def init_kv_cache(self, num_blocks: int) -> None:
         """Allocates the cache, then captures the decode graphs that read it."""
+        self._use_device()
         self._allocate_kv_cache(num_blocks)
         if self.uses_graphs:  # the same on every rank: config, backend and device type
             from workers.cuda_graphs import DecodeGraphs, capture_on_every_rank
@@ -141,6 +153,7 @@ class Worker:
     def execute(self, step: StepInput) -> StepOutput | None:
         """Runs one step (``num_steps`` decode steps when asked); the driver (rank 0) returns
         the sampled tokens, other ranks None."""
+        self._use_device()
         for request_id in step.released_ids:
             self.states.pop(request_id, None)
         for request in step.new_requests:

@@ -12,6 +12,6 @@ stage() { echo "== $1" | tee -a "$LOG"; shift; timeout "$@" 2>>"$ERR" | tee -a "
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv | tee -a "$LOG"
 stage "all-reduce in a graph" ${AR_TIME:-120} python -m cluster.bench.all_reduce --output "$OUT/all-reduce.json"
 stage "W7 tp scaling" ${W7_TIME:-420} python -m cluster.bench.tp_scaling --shape llama-3.1-8b \
-  --tp 1 2 --batch 1 64 --output "$OUT/w7.json"
+  --tp 1 2 --batch 1 64 ${W7_ARGS:-} --output "$OUT/w7.json"
 stage "gpu tests (TP)" ${TP_TESTS_TIME:-150} python -m pytest -q -p no:cacheprovider -m gpu \
   ${TP_TESTS:-tests/workers/test_cuda_graphs.py tests/workers/test_tp_graphs.py}

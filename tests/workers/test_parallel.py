@@ -24,6 +24,8 @@ def run_rank(rank: int, port: int, results) -> None:
             "reduce": tp.all_reduce(torch.ones(2) * (rank + 1)).tolist(),
             # rank 0's sampled tokens reach every rank (multi-step decoding under TP)
             "broadcast": tp.broadcast(torch.tensor([7, 8]) + 100 * rank, src=0).tolist(),
+            # peer-memory sums are for GPUs: on the CPU the group stays as it was
+            "cpu_group_unchanged": tp.with_symmetric_all_reduce(cpu) is tp,
         }
         dist.barrier()  # both done before the store's host (rank 0) tears down
     finally:
@@ -46,5 +48,26 @@ def test_collectives_over_two_gloo_ranks():
         "all_true": True,
         "reduce": [3.0, 3.0],
         "broadcast": [7, 8],
+        "cpu_group_unchanged": True,
     }
     assert results == {0: expected, 1: expected}
+
+
+class FakePeerSums:
+    """Stands in for SymmetricAllReduce: takes tensors of 4 values, returns 10x them."""
+
+    def fits(self, t: torch.Tensor) -> bool:
+        return t.numel() == 4
+
+    def __call__(self, t: torch.Tensor) -> torch.Tensor:
+        return t * 10
+
+
+def test_all_reduce_sends_what_fits_to_the_peer_memory_path():
+    tp = TensorParallelGroup(rank=0, size=2, group=None, symmetric=FakePeerSums())  # type: ignore[arg-type]
+    t = torch.ones(4)
+    assert tp.all_reduce(t).tolist() == [10.0] * 4  # a new tensor; t is left alone
+    assert t.tolist() == [1.0] * 4
+    single = TensorParallelGroup.single()
+    assert single.all_reduce(t) is t and single.with_symmetric_all_reduce(torch.device("cpu")) \
+        is single
