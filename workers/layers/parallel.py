@@ -4,9 +4,9 @@ Layers never read a module global to learn their rank: two engines (or a test ru
 to TP=2) can live in one process, each with its own group.
 
 The collectives are written to be capturable in a CUDA graph (NCCL >= 2.9.6): ``all_reduce``
-works in place, ``all_gather`` fills one preallocated tensor (``all_gather_into_tensor``), not
-a list of tensors. On GPUs, small sums may go through peer memory instead of NCCL
-(``symmetric``, see symmetric_all_reduce.py): the same sum, one kernel and a fraction of the time.
+sums in place through NCCL, ``all_gather`` fills one preallocated tensor
+(``all_gather_into_tensor``), not a list of tensors. On GPUs, small sums may go through peer
+memory instead (``symmetric``, see symmetric_all_reduce.py): the same sum, in one kernel.
 """
 
 from dataclasses import dataclass, replace

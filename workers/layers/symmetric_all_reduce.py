@@ -14,6 +14,7 @@ Tensors larger than ``max_bytes``, other dtypes and CPU tensors go to NCCL.
 
 import logging
 import os
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -23,7 +24,6 @@ log = logging.getLogger(__name__)
 DEFAULT_MAX_BYTES = 4 << 20  # decode batches up to 256 rows of 8192 bf16 values
 # the CUDA kernel is compiled for these dtypes only (no float16)
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float32)
-ALIGNMENT = 16  # bytes: the kernel's widest vector; narrower sizes still work, just slower
 
 
 class SymmetricAllReduce:
@@ -38,6 +38,9 @@ class SymmetricAllReduce:
         self.max_bytes = max_bytes
         if hasattr(symm_mem, "get_backend") and symm_mem.get_backend(device) is None:
             symm_mem.set_backend("CUDA")  # peer pointers through the CUDA driver, not NVSHMEM
+        with warnings.catch_warnings():  # needed by older PyTorch; a deprecated no-op in 2.11
+            warnings.simplefilter("ignore", FutureWarning)
+            symm_mem.enable_symm_mem_for_group(self.group_name)
         self.buffer = symm_mem.empty(max_bytes, dtype=torch.uint8, device=device)
         symm_mem.rendezvous(self.buffer, group)  # collective: every rank maps every buffer
 
