@@ -149,7 +149,8 @@ class TandemServer:
 def server_app(config: ServeConfig) -> Application:
     engines = EngineHost.bind(config)
     return TandemServer.options(
-        num_replicas=config.ingress_replicas, max_ongoing_requests=config.max_ongoing_requests,
+        num_replicas=config.num_ingress_replicas,
+        max_ongoing_requests=config.max_ongoing_requests,
     ).bind(config, engines)
 
 

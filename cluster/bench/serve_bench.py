@@ -179,8 +179,9 @@ def add_serve_bench_parser(workloads: argparse._SubParsersAction) -> None:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--replicas", type=int, default=1)
-    parser.add_argument("--ingress-replicas", type=int, default=1,
-                        help="HTTP ingress replicas in front of the same engines")
+    parser.add_argument("--ingress-replicas", type=int, default=0,
+                        help="HTTP ingress replicas in front of the same engines (default: 0, "
+                        "auto: 4 on a GPU, 1 on the CPU)")
     parser.add_argument("--max-num-seqs", type=int, default=128)
     parser.add_argument("--num-kv-blocks", type=int)
     parser.add_argument("--input-len", type=int, default=1024)

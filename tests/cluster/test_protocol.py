@@ -188,3 +188,11 @@ def test_api_key_comes_from_the_environment(monkeypatch):
     assert ServeConfig().api_key == "sk-env"
     assert ServeConfig(api_key="sk-flag").api_key == "sk-flag"
     assert "Bearer sk-env" in ServeConfig().curl_example()
+
+
+def test_ingress_replicas_auto_is_four_on_a_gpu_one_on_the_cpu():
+    assert ServeConfig(device="cpu").num_ingress_replicas == 1
+    assert ServeConfig(device="cuda").num_ingress_replicas == 4
+    assert ServeConfig(device="cuda", ingress_replicas=2).num_ingress_replicas == 2
+    with pytest.raises(ValueError, match="ingress_replicas"):
+        load_config({"ingress_replicas": -1})
