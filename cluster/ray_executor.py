@@ -74,6 +74,15 @@ class RayExecutor:
         assert output is not None, "rank 0 returns the sampled tokens"
         return output
 
+    def profile(self, fn) -> list[str]:
+        """Runs fn with torch.profiler on in every shard; each rank's table, rank 0 first."""
+        self._all(lambda actor: actor.start_profile.remote())
+        try:
+            fn()
+        finally:
+            tables = self._all(lambda actor: actor.stop_profile.remote())
+        return tables
+
     def shard_pids(self) -> list[int]:
         return self._all(lambda actor: actor.pid.remote())
 

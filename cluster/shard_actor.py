@@ -34,6 +34,7 @@ class ShardActor:
         if config.device == "cpu":
             torch.set_num_threads(max(1, int(os.environ.get("TANDEM_CPU_THREADS", "1"))))
         self.worker: Worker | None = None
+        self.profiler = None  # a torch.profiler between start_profile and stop_profile
 
     def rendezvous_address(self) -> str:
         return free_address()
@@ -93,6 +94,31 @@ class ShardActor:
         """Whether small sums go through peer memory rather than NCCL (all ranks agree)."""
         assert self.worker is not None
         return self.worker.tp.symmetric is not None
+
+    def start_profile(self) -> None:
+        """torch.profiler over this shard's next steps, until ``stop_profile`` (benchmarks)."""
+        from torch._C._profiler import _ExperimentalConfig
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU]
+        if self.config.device.startswith("cuda"):
+            activities.append(ProfilerActivity.CUDA)
+        try:  # steps run on the compiled graph's thread, not the one calling this
+            config = _ExperimentalConfig(profile_all_threads=True)
+        except TypeError:  # PyTorch without it: device kernels are still recorded
+            config = None
+        self.profiler = profile(activities=activities, experimental_config=config)
+        self.profiler.start()
+
+    def stop_profile(self) -> str:
+        """The profiled steps' table: device time by kernel (host time on the CPU)."""
+        if self.config.device.startswith("cuda"):
+            torch.cuda.synchronize()
+        self.profiler.stop()
+        on_gpu = self.config.device.startswith("cuda")
+        return self.profiler.key_averages().table(
+            sort_by="cuda_time_total" if on_gpu else "cpu_time_total", row_limit=25,
+            max_name_column_width=60)
 
     def pid(self) -> int:
         return os.getpid()

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The two-GPU runs of docs/benchmarks.md: all-reduce latency (NCCL vs peer memory), W7
-# (TP 1 vs 2, TP 2 with NCCL sums and with peer-memory sums) and the TP=2 GPU tests.
+# (TP 1 vs 2, TP 2 with NCCL sums and with peer-memory sums), the TP=2 GPU tests and a
+# torch.profiler table of every rank of TP 2 at batch 1.
 # Needs Ray and pydantic: on the GPU machine, `source .kit/on-device.sh` first.
 # Usage: OUT=<folder> bash cluster/bench/run_gpu_tp.sh   (each stage has its own time limit)
 set -o pipefail
@@ -15,3 +16,6 @@ stage "W7 tp scaling" ${W7_TIME:-420} python -m cluster.bench.tp_scaling --shape
   --tp 1 2 --batch 1 64 ${W7_ARGS:-} --output "$OUT/w7.json"
 stage "gpu tests (TP)" ${TP_TESTS_TIME:-150} python -m pytest -q -p no:cacheprovider -m gpu \
   ${TP_TESTS:-tests/workers/test_cuda_graphs.py tests/workers/test_tp_graphs.py}
+stage "W7 TP 2 profile (every rank, batch 1)" ${PROFILE_TIME:-150} python -m cluster.bench.tp_scaling \
+  --shape llama-3.1-8b --tp 2 --batch 1 --all-reduce symmetric --profile \
+  --output "$OUT/w7-profile.json"

@@ -9,6 +9,7 @@ measured in the run. Greedy agreement between TP=1 and TP=N is reported for bf16
 """
 
 import argparse
+import functools
 import gc
 import json
 import random
@@ -57,6 +58,11 @@ def measure(folder: Path, tp: int, backend: str, args: argparse.Namespace,
         llm.generate(random_prompts(2, 16, vocab, 99), SamplingParams(max_tokens=8))  # warm up
         runs = [timed_batch(llm, random_prompts(b, args.prompt_len, vocab, b), args.output_len)
                 for b in args.batch]
+        if args.profile:  # one batch-1 request of 64 tokens, every rank's kernels
+            tables = llm.engine.executor.profile(functools.partial(
+                timed_batch, llm, random_prompts(1, args.prompt_len, vocab, 5), 64))
+            for rank, table in enumerate(tables):
+                print(f"\nTP={tp} ({backend}) rank {rank}, batch 1, 64 tokens:\n{table}")
         greedy = llm.generate(random_prompts(AGREEMENT_PROMPTS, args.prompt_len, vocab, 7),
                               SamplingParams(temperature=0.0, max_tokens=AGREEMENT_TOKENS,
                                              ignore_eos=True))
@@ -92,6 +98,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.8)
     parser.add_argument("--model-root", default="/tmp/tandem-shapes")
     parser.add_argument("--with-uni", action="store_true", help="also TP=1 in-process")
+    parser.add_argument("--profile", action="store_true",
+                        help="print every rank's torch.profiler table of a batch-1 request")
     parser.add_argument("--all-reduce", choices=["symmetric", "nccl", "both"], default="both",
                         help="TP > 1: small sums through peer memory, NCCL only, or both runs")
     parser.add_argument("--output", default="bench-results/w7.json")

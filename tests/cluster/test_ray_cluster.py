@@ -35,6 +35,10 @@ def test_tensor_parallel_2_over_ray_matches_transformers(ray_session, tiny_model
         outputs = llm.generate(PROMPTS, GREEDY)
         assert [out.token_ids for out in outputs] == hf_greedy(tiny_models[name], PROMPTS)
         assert len(set(llm.engine.executor.shard_pids())) == 2
+        # every rank's profile of a request: its steps' all-reduces and matmuls are in it
+        tables = llm.engine.executor.profile(lambda: llm.generate(PROMPTS[:1], GREEDY))
+        assert len(tables) == 2
+        assert all("gloo:all_reduce" in table and "aten::mm" in table for table in tables)
     finally:
         llm.engine.shutdown()
 
