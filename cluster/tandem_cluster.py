@@ -86,6 +86,11 @@ class TandemCluster:
             async for ref in stream:
                 for delta in await ref:  # one or more steps' deltas, in order
                     output = accumulator.add(delta)
+                # chunks that queued up while this one was handled leave as one output: a
+                # consumer that falls behind catches up instead of falling further behind
+                while not output.finished and stream.next_ready():
+                    for delta in await (await anext(stream)):
+                        output = accumulator.add(delta)
                 finished = output.finished
                 yield output
         finally:

@@ -101,3 +101,47 @@ def test_a_dead_shard_fails_its_requests_clearly_and_the_replica_recovers(ray_se
         asyncio.run(cluster.check_health())
     finally:
         cluster.shutdown()
+
+
+class BurstReplica:
+    """A replica that streams a request's tokens 1..5, one delta each: the first alone, then
+    the other four at once."""
+
+    async def generate(self, request_id, prompt_ids, params):
+        from cluster.outputs import CompletionDelta, RequestDelta, RequestMetrics
+
+        for token in range(1, 6):
+            if token == 2:
+                await asyncio.sleep(0.3)
+            yield [RequestDelta(request_id, [CompletionDelta(0, [token], "", None,
+                                                             "length" if token == 5 else None,
+                                                             None)],
+                                RequestMetrics(arrival_time=0.0), finished=token == 5,
+                                prompt_token_ids=list(prompt_ids) if token == 1 else None)]
+
+
+class OneReplicaRouter:
+    async def assign(self, request_id, prompt_ids):
+        return 0
+
+    async def release(self, request_id):
+        return None
+
+
+def test_a_consumer_that_falls_behind_gets_the_backlog_as_one_output(ray_session):
+    import ray
+
+    from cluster.tandem_cluster import ClusterHandles
+
+    handles = ClusterHandles([ray.remote(BurstReplica).remote()],
+                             ray.remote(OneReplicaRouter).remote(), "unused", 64)
+    cluster = TandemCluster.attach(handles)
+
+    async def consume_slowly():
+        outputs = []
+        async for output in cluster.generate([1, 2], GREEDY, "slow"):
+            outputs.append(output.outputs[0].token_ids)
+            await asyncio.sleep(1.0)  # the other four deltas arrive meanwhile
+        return outputs
+
+    assert asyncio.run(consume_slowly()) == [[1], [1, 2, 3, 4, 5]]
