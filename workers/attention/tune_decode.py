@@ -23,6 +23,7 @@ SHAPES = {  # name: (query heads, kv heads, head_dim, batch, shortest, longest c
 }
 BLOCK_N, NUM_WARPS, NUM_STAGES = (32, 64, 128), (2, 4, 8), (2, 3)
 DEFAULT = (64, 4, 3)
+SPLITS = (1, 2, 4, 8)
 
 
 def make_inputs(heads: int, kv_heads: int, head_dim: int, batch: int, lo: int, hi: int):
@@ -63,22 +64,25 @@ def main() -> None:
         args, kv_bytes, longest = make_inputs(heads, kv_heads, head_dim, batch, lo, hi)
         splits = choose_num_splits(batch, kv_heads, longest, sms)
         print(f"\n{name}: batch {batch}, contexts {lo}-{hi}, {kv_bytes / 1e9:.2f} GB of KV, "
-              f"{splits} split(s)")
+              f"{splits} split(s) chosen")
+
+        def report(ms: float, label: str, kv_bytes: int = kv_bytes) -> None:
+            print(f"  {label}: {ms * 1e3:7.1f} us {kv_bytes / (ms * 1e-3) / 1e12:5.2f} TB/s")
+
         results = []
         for config in itertools.product(BLOCK_N, NUM_WARPS, NUM_STAGES):
             try:
-                ms = time_config(args, splits, *config)
+                results.append((time_config(args, splits, *config), config))
             except Exception as exc:  # noqa: BLE001 — e.g. out of shared memory: skip it
-                print(f"  block_n {config[0]:3} warps {config[1]} stages {config[2]}: "
-                      f"{type(exc).__name__}")
-                continue
-            results.append((ms, config))
-        for ms, (block_n, warps, stages) in sorted(results)[:8] + [
-                r for r in results if r[1] == DEFAULT]:
+                print(f"  {config}: {type(exc).__name__}")
+        results.sort()
+        for ms, (block_n, warps, stages) in results[:6] + [r for r in results if r[1] == DEFAULT]:
             mark = "  <- default" if (block_n, warps, stages) == DEFAULT else ""
-            print(f"  block_n {block_n:3} warps {warps} stages {stages}: {ms * 1e3:7.1f} us "
-                  f"{kv_bytes / (ms * 1e-3) / 1e12:5.2f} TB/s{mark}")
-
+            report(ms, f"block_n {block_n:3} warps {warps} stages {stages}{mark}")
+        # mixed lengths: more splits even balance long and short sequences' programs
+        best = results[0][1]
+        for count in SPLITS:
+            report(time_config(args, count, *best), f"{count} split(s) at {best}")
 
 if __name__ == "__main__":
     main()
