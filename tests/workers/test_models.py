@@ -6,15 +6,14 @@ prefill and a 1-token decode over a paged cache must give HF's full-forward logi
 """
 
 import re
-import socket
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 import transformers
 from safetensors.torch import load_file
 
+from tests.workers.gloo_group import gloo_group
 from workers.attention.metadata import AttentionMetadata
 from workers.attention.reference import ReferenceAttentionBackend
 from workers.layers.parallel import TensorParallelGroup
@@ -127,26 +126,12 @@ def test_prefill_and_decode_match_hf(tmp_path, case):
     torch.testing.assert_close(decode, expected[PROMPT_LEN:], atol=1e-5, rtol=1e-5)
 
 
-def tp_worker(rank: int, port: int, folders: list, out_dir: str) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    try:
-        tp = TensorParallelGroup.from_process_group()
+def tp_worker(rank: int, store_file: str, folders: list) -> None:
+    with gloo_group(rank, 2, store_file) as tp:
         for folder in folders:
             model, config = load_ours(folder, tp)
             logits = prefill_then_decode(model, config, prompt(config.vocab_size), tp_size=2)
             torch.save(logits, f"{folder}/logits_rank{rank}.pt")
-        # both ranks done before either tears down: rank 0 hosts the store rank 1 talks to,
-        # and a store gone mid-teardown aborts rank 1 ("terminate called without an active
-        # exception"), seen once under a loaded full run
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_tensor_parallel_2_matches_tp_1(tmp_path):
@@ -154,7 +139,7 @@ def test_tensor_parallel_2_matches_tp_1(tmp_path):
     for folder, (config_name, overrides) in zip(folders, TP_CASES.values(), strict=True):
         save_tiny_model(folder, config_name, overrides)
     mp.start_processes(
-        tp_worker, args=(free_port(), folders, str(tmp_path)), nprocs=2, start_method="spawn"
+        tp_worker, args=(str(tmp_path / "store"), folders), nprocs=2, start_method="spawn"
     )
     for folder in folders:
         model, config = load_ours(folder)

@@ -1,19 +1,14 @@
 """TensorParallelGroup's collectives over two real gloo processes (CPU)."""
 
-import socket
-
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from tests.workers.gloo_group import gloo_group
 from workers.layers.parallel import TensorParallelGroup
 
 
-def run_rank(rank: int, port: int, results) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=2)
-    try:
-        tp = TensorParallelGroup.from_process_group()
+def run_rank(rank: int, store_file: str, results) -> None:
+    with gloo_group(rank, 2, store_file) as tp:
         cpu = torch.device("cpu")
         local = torch.arange(6.0).view(2, 3) + 10 * rank  # (2, 3)
         results[rank] = {
@@ -27,18 +22,12 @@ def run_rank(rank: int, port: int, results) -> None:
             # peer-memory sums are for GPUs: on the CPU the group stays as it was
             "cpu_group_unchanged": tp.with_symmetric_all_reduce(cpu) is tp,
         }
-        dist.barrier()  # both done before the store's host (rank 0) tears down
-    finally:
-        dist.destroy_process_group()
 
 
-def test_collectives_over_two_gloo_ranks():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+def test_collectives_over_two_gloo_ranks(tmp_path):
     with mp.Manager() as manager:
         results = manager.dict()
-        mp.spawn(run_rank, args=(port, results), nprocs=2)
+        mp.spawn(run_rank, args=(str(tmp_path / "store"), results), nprocs=2)
         results = dict(results)
     expected = {
         "gather_last": [[0.0, 1.0, 2.0, 10.0, 11.0, 12.0], [3.0, 4.0, 5.0, 13.0, 14.0, 15.0]],
