@@ -8,6 +8,7 @@ salted per process and never used here). Extra keys isolate caches that must not
 the model id, a per-request cache salt.
 """
 
+import functools
 import hashlib
 import json
 import struct
@@ -26,8 +27,14 @@ def hash_block_tokens(
     digest = hashlib.sha256(parent or ROOT_PARENT)
     digest.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
     if extra_keys:
-        digest.update(json.dumps(list(extra_keys)).encode())
+        digest.update(_encode_extra_keys(extra_keys))
     return digest.digest()
+
+
+@functools.lru_cache(maxsize=1024)
+def _encode_extra_keys(extra_keys: ExtraKeys) -> bytes:
+    """The extra keys' JSON, encoded once: the same few (model, salt) name every block."""
+    return json.dumps(list(extra_keys)).encode()
 
 
 def hash_full_blocks(
