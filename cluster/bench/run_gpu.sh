@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The one-GPU runs of docs/benchmarks.md, in one go: GPU tests, kernel checks, W1, W2, W4.
+# The one-GPU runs of docs/benchmarks.md, in one go: GPU tests, kernel checks, W1, W2, W4, W2 by
+# kind of step, the attention check and the decode kernel sweep.
 # Usage: OUT=<folder> bash cluster/bench/run_gpu.sh   (each stage has its own time limit)
 set -o pipefail
 export PYTHONUNBUFFERED=1 TANDEM_CACHE_DIR=${TANDEM_CACHE_DIR:-/tmp/tandem-cache}
@@ -19,3 +20,4 @@ stage "W4 prefix" ${W4_TIME:-170} python -m cluster.bench prefix --shape llama-3
   --max-num-seqs 1024 --max-num-batched-tokens 8192 --output "$OUT/w4.json"
 stage "W2 by step" ${STEPS_TIME:-90} python -m cluster.bench.step_times
 stage "attention" ${ATTN_TIME:-70} python -m workers.attention.bench_attention
+stage "decode attention tuning" ${TUNE_TIME:-150} python -m workers.attention.tune_decode
