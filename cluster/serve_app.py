@@ -124,9 +124,8 @@ class EngineHost:
     def handles(self) -> "ClusterHandles":
         return self.cluster.handles()
 
-    async def __del__(self) -> None:
-        # off the event loop: a Serve replica may run user code on its loop's own thread
-        await asyncio.to_thread(self.cluster.shutdown)
+    def __del__(self) -> None:
+        self.cluster.shutdown()
 
 
 @serve.deployment(name="tandem", ray_actor_options={"num_cpus": 0})
