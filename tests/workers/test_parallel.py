@@ -5,6 +5,7 @@ import torch.multiprocessing as mp
 
 from tests.workers.gloo_group import gloo_group
 from workers.layers.parallel import TensorParallelGroup
+from workers.layers.symmetric_all_reduce import make_symmetric_all_reduce
 
 
 def run_rank(rank: int, store_file: str, results) -> None:
@@ -21,6 +22,8 @@ def run_rank(rank: int, store_file: str, results) -> None:
             "broadcast": tp.broadcast(torch.tensor([7, 8]) + 100 * rank, src=0).tolist(),
             # peer-memory sums are for GPUs: on the CPU the group stays as it was
             "cpu_group_unchanged": tp.with_symmetric_all_reduce(cpu) is tp,
+            # a setup that fails on every rank: they agree on NCCL (here gloo) for every sum
+            "setup_failed_everywhere": make_symmetric_all_reduce(tp.group, cpu) is None,
         }
 
 
@@ -38,6 +41,7 @@ def test_collectives_over_two_gloo_ranks(tmp_path):
         "reduce": [3.0, 3.0],
         "broadcast": [7, 8],
         "cpu_group_unchanged": True,
+        "setup_failed_everywhere": True,
     }
     assert results == {0: expected, 1: expected}
 
