@@ -60,21 +60,31 @@ class SymmetricAllReduce:
 
 def make_symmetric_all_reduce(group: dist.ProcessGroup, device: torch.device,
                               max_bytes: int = DEFAULT_MAX_BYTES) -> SymmetricAllReduce | None:
-    """A SymmetricAllReduce if every rank of the group could set one up (they must agree, or
-    their collectives would no longer pair up), else None and NCCL does every sum."""
+    """A SymmetricAllReduce if every rank of the group could set one up, else None and NCCL
+    does every sum. The ranks agree after each stage: a rank that ran the self-check's kernel
+    alone would wait at its barrier for peers that never come."""
     reducer, reason = None, ""
     try:
         reducer = SymmetricAllReduce(group, device, max_bytes)
-        _self_check(reducer, group, device)
     except Exception as exc:  # noqa: BLE001 — any failure means: use NCCL
-        reducer, reason = None, f"{type(exc).__name__}: {exc}"
-    ok = torch.tensor([int(reducer is not None)], dtype=torch.int32, device=device)
+        reason = f"{type(exc).__name__}: {exc}"
+    if _all_ranks(reducer is not None, group, device):
+        assert reducer is not None  # this rank is among all of them
+        try:
+            _self_check(reducer, group, device)
+        except Exception as exc:  # noqa: BLE001
+            reducer, reason = None, f"{type(exc).__name__}: {exc}"
+        if _all_ranks(reducer is not None, group, device):
+            return reducer
+    log.warning("symmetric-memory all-reduce off, NCCL does every sum (%s)",
+                reason or "another rank could not set it up")
+    return None
+
+
+def _all_ranks(flag: bool, group: dist.ProcessGroup, device: torch.device) -> bool:
+    ok = torch.tensor([int(flag)], dtype=torch.int32, device=device)
     dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
-    if not ok.item():
-        log.warning("symmetric-memory all-reduce off, NCCL does every sum (%s)",
-                    reason or "another rank could not set it up")
-        return None
-    return reducer
+    return bool(ok.item())
 
 
 def _self_check(reducer: SymmetricAllReduce, group: dist.ProcessGroup,
