@@ -19,6 +19,7 @@ from cluster.config import EngineConfig
 from cluster.metrics import MetricsSnapshot
 from cluster.outputs import EngineStats, OutputAccumulator, RequestOutput
 from cluster.replica import REPLICA_ACTOR_OPTIONS, ReplicaActor
+from cluster.replica_streams import ReplicaStream
 from cluster.router_actor import ROUTER_ACTOR_OPTIONS, RouterActor
 from router.placement import PlacementPolicy
 from router.sampling_params import SamplingParams
@@ -47,6 +48,7 @@ class TandemCluster:
             ray.init()
         resolve_model(config.model)  # pull once here, not in every replica at the same time
         self.config = config
+        self._streams: dict[int, ReplicaStream] = {}  # by replica index
         self.replicas = [
             ray.remote(ReplicaActor).options(**REPLICA_ACTOR_OPTIONS).remote(config, index)
             for index in range(num_replicas)
@@ -70,34 +72,44 @@ class TandemCluster:
         view.replicas, view.router = list(handles.replicas), handles.router
         view.model_path, view.max_model_len = Path(handles.model_path), handles.max_model_len
         view.owns_actors = False
+        view._streams = {}
         return view
 
     async def generate(
         self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str
     ) -> AsyncIterator[RequestOutput]:
         index = await self.router.assign.remote(request_id, list(prompt_ids))
-        replica = self.replicas[index]
-        stream = replica.generate.options(num_returns="streaming").remote(
-            request_id, list(prompt_ids), params
-        )
+        replica, stream = self.replicas[index], self._stream(index)
+        queue = stream.open(request_id)
         finished = False
         accumulator = OutputAccumulator()
         try:
-            async for ref in stream:
-                for delta in await ref:  # one or more steps' deltas, in order
-                    output = accumulator.add(delta)
-                # chunks that queued up while this one was handled leave as one output: a
-                # consumer that falls behind catches up instead of falling further behind
-                while not output.finished and stream.next_ready():
-                    for delta in await (await anext(stream)):
-                        output = accumulator.add(delta)
+            await replica.submit.remote(request_id, list(prompt_ids), params, stream.consumer_id)
+            while not finished:
+                # what queued up while the caller was busy leaves as one output: a consumer
+                # that falls behind catches up instead of falling further behind
+                items = [await queue.get()]
+                while not queue.empty():
+                    items.append(queue.get_nowait())
+                for item in items:
+                    if isinstance(item, BaseException):
+                        raise item
+                    output = accumulator.add(item)
                 finished = output.finished
                 yield output
         finally:
+            stream.close(request_id)
             if not finished:
-                ray.cancel(stream)
                 await replica.abort.remote(request_id)
             await self.router.release.remote(request_id)
+
+    def _stream(self, index: int) -> ReplicaStream:
+        """This process's stream from replica ``index``, opened on first use, and again after
+        it broke or when the caller runs on another event loop."""
+        stream = self._streams.get(index)
+        if stream is None or not stream.usable():
+            stream = self._streams[index] = ReplicaStream(self.replicas[index])
+        return stream
 
     async def abort(self, request_id: str) -> None:
         await self._on_all("abort", request_id)

@@ -103,21 +103,40 @@ def test_a_dead_shard_fails_its_requests_clearly_and_the_replica_recovers(ray_se
         cluster.shutdown()
 
 
+def delta(request_id: str, token: int, last: int):
+    from cluster.outputs import CompletionDelta, RequestDelta, RequestMetrics
+
+    return RequestDelta(request_id, [CompletionDelta(0, [token], "", None,
+                                                     "length" if token == last else None, None)],
+                        RequestMetrics(arrival_time=0.0), finished=token == last,
+                        prompt_token_ids=[1, 2] if token == 1 else None)
+
+
 class BurstReplica:
-    """A replica that streams a request's tokens 1..5, one delta each: the first alone, then
+    """A replica that streams a request's tokens 1..5, one message each: the first alone, then
     the other four at once."""
 
-    async def generate(self, request_id, prompt_ids, params):
-        from cluster.outputs import CompletionDelta, RequestDelta, RequestMetrics
+    def __init__(self):
+        self.queues, self.tasks = {}, []
 
-        for token in range(1, 6):
-            if token == 2:
-                await asyncio.sleep(0.3)
-            yield [RequestDelta(request_id, [CompletionDelta(0, [token], "", None,
-                                                             "length" if token == 5 else None,
-                                                             None)],
-                                RequestMetrics(arrival_time=0.0), finished=token == 5,
-                                prompt_token_ids=list(prompt_ids) if token == 1 else None)]
+    async def subscribe(self, consumer_id):
+        queue = self.queues.setdefault(consumer_id, asyncio.Queue())
+        while True:
+            yield await queue.get()
+
+    async def submit(self, request_id, prompt_ids, params, consumer_id):
+        queue = self.queues.setdefault(consumer_id, asyncio.Queue())
+
+        async def produce():
+            queue.put_nowait([(request_id, delta(request_id, 1, 5))])
+            await asyncio.sleep(0.3)
+            for token in range(2, 6):
+                queue.put_nowait([(request_id, delta(request_id, token, 5))])
+
+        self.tasks.append(asyncio.get_running_loop().create_task(produce()))
+
+    async def abort(self, request_id):
+        return None
 
 
 class OneReplicaRouter:
