@@ -3,8 +3,9 @@
 Outputs travel as deltas (a step sends each request's new tokens and text, never its whole
 token list again), and by consumer, not by request: each process that sends requests here
 (an HTTP ingress replica, an in-process caller) holds one ``subscribe`` stream, and every
-step's deltas for all of its requests cross Ray as one message. One message per request per
-step cost ~0.3 ms of this actor's CPU each, in the process that also steps the engine.
+step's deltas for all of its requests cross Ray as one message. A message costs ~0.2 ms of
+this actor's CPU whatever it carries (cluster/bench/ray_streams.py), in the process that also
+steps the engine: one per request per step added up to a good part of a core.
 
 Adds and aborts are applied between steps, by the loop, so the engine is only ever touched by
 one thread at a time while a step runs in a worker thread. If a shard dies, every in-flight

@@ -52,6 +52,6 @@ class ReplicaStream:
             queue.put_nowait(error)
 
     def usable(self) -> bool:
-        """Whether new requests may use it: not broken, and on the running event loop."""
-        return not self.broken and self.loop is asyncio.get_running_loop() \
-            and not self.loop.is_closed()
+        """Whether new requests may use it: still pumping, on the running event loop."""
+        return (not self.broken and not self._task.done()
+                and self.loop is asyncio.get_running_loop())
