@@ -99,9 +99,13 @@ class TandemCluster:
                 yield output
         finally:
             stream.close(request_id)
-            if not finished:
-                await replica.abort.remote(request_id)
-            await self.router.release.remote(request_id)
+            try:
+                if not finished:
+                    await replica.abort.remote(request_id)
+            except ray.exceptions.RayError:
+                pass  # the replica died or is restarting: the request went with its process
+            finally:
+                await self.router.release.remote(request_id)
 
     def _stream(self, index: int) -> ReplicaStream:
         """This process's stream from replica ``index``, opened on first use, and again after

@@ -103,6 +103,39 @@ def test_a_dead_shard_fails_its_requests_clearly_and_the_replica_recovers(ray_se
         cluster.shutdown()
 
 
+def test_a_dead_replica_process_fails_its_streams_and_its_restart_serves(ray_session,
+                                                                       tiny_models):
+    """The replica actor's process dies mid-stream: the request fails with Ray's error (no
+    hang, and the router forgets it), and once Ray has restarted the replica the next request,
+    on the same event loop, reaches it through a new stream."""
+    folder = tiny_models["llama"]
+    cluster = TandemCluster(EngineConfig(model=str(folder), device="cpu", block_size=4,
+                                         num_kv_blocks=64), num_replicas=1)
+    try:
+        replica = cluster.replicas[0]
+        pid = ray_session.get(replica.__ray_call__.remote(lambda self: os.getpid()))
+        long = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+
+        async def kill_then_retry():
+            with pytest.raises(ray_session.exceptions.RayError):
+                async for output in cluster.generate([1, 2, 3], long, "victim"):
+                    if len(output.token_ids) >= 2:
+                        os.kill(pid, signal.SIGKILL)
+            while True:  # what /health shows: 503 while the replica restarts
+                try:
+                    await cluster.check_health()
+                    break
+                except ray_session.exceptions.RayError:
+                    await asyncio.sleep(0.5)
+            return await stream(cluster, PROMPTS[0], "after")
+
+        out, _ = asyncio.run(asyncio.wait_for(kill_then_retry(), timeout=180))
+        assert out.token_ids == hf_greedy(folder, PROMPTS[:1])[0]
+        assert ray_session.get(cluster.router.get_loads.remote()) == [0]
+    finally:
+        cluster.shutdown()
+
+
 def delta(request_id: str, token: int, last: int):
     from cluster.outputs import CompletionDelta, RequestDelta, RequestMetrics
 
