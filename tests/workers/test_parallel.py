@@ -23,7 +23,8 @@ def run_rank(rank: int, store_file: str, results) -> None:
             # peer-memory sums are for GPUs: on the CPU the group stays as it was
             "cpu_group_unchanged": tp.with_symmetric_all_reduce(cpu) is tp,
             # a setup that fails on every rank: they agree on NCCL (here gloo) for every sum
-            "setup_failed_everywhere": make_symmetric_all_reduce(tp.group, cpu) is None,
+            "setup_failed_everywhere": make_symmetric_all_reduce(
+                tp.group, cpu, lambda flag: tp.all_true(flag, cpu)) is None,
         }
 
 

@@ -10,6 +10,7 @@ memory instead (``symmetric``, see symmetric_all_reduce.py): the same sum, in on
 """
 
 from dataclasses import dataclass, replace
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -43,7 +44,8 @@ class TensorParallelGroup:
         unchanged where any could not (the reason is logged)."""
         if self.size == 1 or device.type != "cuda":
             return self
-        return replace(self, symmetric=make_symmetric_all_reduce(self.group, device))
+        agree = partial(self.all_true, device=device)
+        return replace(self, symmetric=make_symmetric_all_reduce(self.group, device, agree))
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         """The sum of t over the ranks: t itself, summed in place by NCCL, or a new tensor from

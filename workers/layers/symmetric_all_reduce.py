@@ -1,10 +1,11 @@
 """One-shot all-reduce through peer GPU memory, for the small sums of decode steps.
 
 A decode step of a tensor-parallel model all-reduces two hidden-state rows per layer (attention
-and MLP outputs): 8 KB at batch 1 for an 8B model, 65 times a step. NCCL spends ~15-25 µs on each
-inside a CUDA graph, more than the GEMMs around it. Here each rank's partial sum is copied into a
-buffer every rank of the group has mapped (PyTorch symmetric memory over NVLink); one kernel then
-waits at a barrier, reads the peers' buffers, sums and writes the result: one launch, one hop.
+and MLP outputs): 8 KB at batch 1 for an 8B model, 65 times a step. Inside a CUDA graph NCCL
+takes ~21 µs for each, this path 6.5 µs (cluster/bench/all_reduce.py, two H200s). Here each
+rank's partial sum is copied into a buffer every rank of the group has mapped (PyTorch
+symmetric memory over NVLink); one kernel then waits at a barrier, reads the peers' buffers,
+sums and writes the result: one launch, one hop.
 
 Only the peer-pointer kernel is used, never NVLink multicast (``multimem``): the copy-in, the
 barrier before the reads and the barrier after them are all inside
@@ -15,6 +16,7 @@ Tensors larger than ``max_bytes``, other dtypes and CPU tensors go to NCCL.
 import logging
 import os
 import warnings
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -59,32 +61,28 @@ class SymmetricAllReduce:
 
 
 def make_symmetric_all_reduce(group: dist.ProcessGroup, device: torch.device,
+                              all_ranks: Callable[[bool], bool],
                               max_bytes: int = DEFAULT_MAX_BYTES) -> SymmetricAllReduce | None:
     """A SymmetricAllReduce if every rank of the group could set one up, else None and NCCL
-    does every sum. The ranks agree after each stage: a rank that ran the self-check's kernel
-    alone would wait at its barrier for peers that never come."""
+    does every sum. ``all_ranks(flag)`` tells whether flag holds on every rank (a collective):
+    the ranks agree after each stage, since a rank that ran the self-check's kernel alone would
+    wait at its barrier for peers that never come."""
     reducer, reason = None, ""
     try:
         reducer = SymmetricAllReduce(group, device, max_bytes)
     except Exception as exc:  # noqa: BLE001 — any failure means: use NCCL
         reason = f"{type(exc).__name__}: {exc}"
-    if _all_ranks(reducer is not None, group, device):
+    if all_ranks(reducer is not None):
         assert reducer is not None  # this rank is among all of them
         try:
             _self_check(reducer, group, device)
         except Exception as exc:  # noqa: BLE001
             reducer, reason = None, f"{type(exc).__name__}: {exc}"
-        if _all_ranks(reducer is not None, group, device):
+        if all_ranks(reducer is not None):
             return reducer
     log.warning("symmetric-memory all-reduce off, NCCL does every sum (%s)",
                 reason or "another rank could not set it up")
     return None
-
-
-def _all_ranks(flag: bool, group: dist.ProcessGroup, device: torch.device) -> bool:
-    ok = torch.tensor([int(flag)], dtype=torch.int32, device=device)
-    dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
-    return bool(ok.item())
 
 
 def _self_check(reducer: SymmetricAllReduce, group: dist.ProcessGroup,
