@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The one-GPU runs of docs/benchmarks.md, in one go: GPU tests, kernel checks, W1, W2, W4, W2 by
-# kind of step, the attention check and the decode kernel sweep.
+# kind of step, the attention check, the decode kernel sweep and the one-token projection sweep.
 # Usage: OUT=<folder> bash cluster/bench/run_gpu.sh   (each stage has its own time limit)
 set -o pipefail
 export PYTHONUNBUFFERED=1 TANDEM_CACHE_DIR=${TANDEM_CACHE_DIR:-/tmp/tandem-cache}
@@ -21,3 +21,4 @@ stage "W4 prefix" ${W4_TIME:-170} python -m cluster.bench prefix --shape llama-3
 stage "W2 by step" ${STEPS_TIME:-90} python -m cluster.bench.step_times
 stage "attention" ${ATTN_TIME:-70} python -m workers.attention.bench_attention
 stage "decode attention tuning" ${TUNE_TIME:-150} python -m workers.attention.tune_decode
+stage "one-token projections" ${GEMV_TIME:-240} python -m workers.layers.tune_gemv

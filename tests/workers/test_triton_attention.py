@@ -13,7 +13,11 @@ import torch  # noqa: E402
 from workers.attention.metadata import AttentionMetadata  # noqa: E402
 from workers.attention.reference import ReferenceAttentionBackend, paged_attention  # noqa: E402
 from workers.attention.triton_backend import TritonAttentionBackend  # noqa: E402
-from workers.attention.triton_decode import choose_num_splits, decode_attention  # noqa: E402
+from workers.attention.triton_decode import (  # noqa: E402
+    choose_num_splits,
+    decode_attention,
+    default_tile,
+)
 from workers.attention.triton_store import store_kv  # noqa: E402
 
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 2e-2}
@@ -124,6 +128,23 @@ def test_decode_any_split_count_and_padding_row(num_splits):
 
     torch.testing.assert_close(got[:2], expected, atol=1e-4, rtol=1e-4)
     assert not got[2].any()
+
+
+@pytest.mark.parametrize("tile", [(32, 2, 3), (64, 4, 3), (128, 4, 2)])
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_decode_any_tile(tile, num_splits):
+    """Every tile the tuning sweep may pick (tune_decode.py) gives the reference's answer;
+    a 150-token context is not a whole number of 128-token steps."""
+    q, _, _, k_cache, v_cache, meta = make_batch([150, 9], [1, 1], 8, 2, 64, 16, torch.float32)
+    expected = paged_attention(q, k_cache, v_cache, meta, 0.125)
+    got = decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, 0.125,
+                           num_splits, tile=tile)
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_default_tile_is_wide_for_one_split_only():
+    assert default_tile(1) == (128, 4, 2)
+    assert default_tile(2) == default_tile(8) == (64, 4, 3)
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(8, 2), (4, 4), (6, 2)])

@@ -14,7 +14,7 @@ import torch
 
 from workers.attention.bench_attention import median_ms
 from workers.attention.triton_backend import num_sms
-from workers.attention.triton_decode import choose_num_splits, decode_attention
+from workers.attention.triton_decode import choose_num_splits, decode_attention, default_tile
 
 BLOCK_SIZE = 16
 SHAPES = {  # name: (query heads, kv heads, head_dim, batch, shortest, longest context)
@@ -22,7 +22,6 @@ SHAPES = {  # name: (query heads, kv heads, head_dim, batch, shortest, longest c
     "llama-3.2-1b batch 64": (32, 8, 64, 64, 900, 1300),
 }
 BLOCK_N, NUM_WARPS, NUM_STAGES = (32, 64, 128), (2, 4, 8), (2, 3)
-DEFAULT = (64, 4, 3)
 SPLITS = (1, 2, 4, 8)
 
 
@@ -47,8 +46,7 @@ def make_inputs(heads: int, kv_heads: int, head_dim: int, batch: int, lo: int, h
 
 def time_config(args: tuple, splits: int, block_n: int, warps: int, stages: int) -> float:
     def run() -> None:
-        decode_attention(*args, splits, out=out, block_n=block_n, num_warps=warps,
-                         num_stages=stages)
+        decode_attention(*args, splits, out=out, tile=(block_n, warps, stages))
 
     out = torch.empty_like(args[0])
     run()  # compiles outside the capture
@@ -76,8 +74,9 @@ def main() -> None:
             except Exception as exc:  # noqa: BLE001 — e.g. out of shared memory: skip it
                 print(f"  {config}: {type(exc).__name__}")
         results.sort()
-        for ms, (block_n, warps, stages) in results[:6] + [r for r in results if r[1] == DEFAULT]:
-            mark = "  <- default" if (block_n, warps, stages) == DEFAULT else ""
+        default = default_tile(splits)
+        for ms, (block_n, warps, stages) in results[:6] + [r for r in results if r[1] == default]:
+            mark = "  <- default" if (block_n, warps, stages) == default else ""
             report(ms, f"block_n {block_n:3} warps {warps} stages {stages}{mark}")
         # mixed lengths: more splits even balance long and short sequences' programs
         best = results[0][1]

@@ -32,7 +32,13 @@ def copy_shard(dst: torch.Tensor, src: torch.Tensor) -> None:
 
 
 class ShardedLinear(nn.Module):
-    """The local (out_local, in_local) weight and optional bias; subclasses say how to slice."""
+    """The local (out_local, in_local) weight and optional bias; subclasses say how to slice.
+
+    With ``gemv_for_one_row`` (set by models built with the fused kernels) an input of one row
+    goes through the Triton matrix-vector kernel (workers/layers/gemv.py) instead of cuBLAS.
+    """
+
+    gemv_for_one_row = False
 
     def __init__(self, in_local: int, out_local: int, bias: bool, tp: TensorParallelGroup):
         super().__init__()
@@ -50,7 +56,15 @@ class ShardedLinear(nn.Module):
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.matmul(x, self.bias)
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.gemv_for_one_row and x.shape[0] == 1:
+            # imported here: models built without the fused kernels must not need Triton
+            from workers.layers.gemv import gemv
+
+            return gemv(x, self.weight, bias)[0]
+        return F.linear(x, self.weight, bias)
 
 
 class ColumnParallelLinear(ShardedLinear):
@@ -146,6 +160,6 @@ class RowParallelLinear(ShardedLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:  # one fused addmm, the same arithmetic as HF's nn.Linear
-            return F.linear(x, self.weight, self.bias)
-        out = self.tp.all_reduce(F.linear(x, self.weight))
+            return self.matmul(x, self.bias)
+        out = self.tp.all_reduce(self.matmul(x, None))
         return out if self.bias is None else out + self.bias

@@ -32,3 +32,16 @@ class FusedRMSNorm(RMSNorm):
         if residual is None:
             return rms_norm(x, self.weight, self.eps)
         return add_rms_norm(x, residual, self.weight, self.eps)
+
+    def project(
+        self, x: torch.Tensor, residual: torch.Tensor | None, linear, silu_mul: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """For one row: (linear(norm(x [+ residual])), the new residual) in one kernel; with
+        silu_mul, linear is a merged gate_up and the first output is SiLU(gate) * up."""
+        from workers.layers.gemv import gemv
+
+        out, new_residual = gemv(
+            x, linear.weight, linear.bias, residual=residual, norm_weight=self.weight,
+            eps=self.eps, silu_mul=silu_mul,
+        )  # fmt: skip
+        return out, (x if new_residual is None else new_residual)

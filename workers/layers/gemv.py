@@ -1,0 +1,177 @@
+"""Matrix-vector products for decode steps of one token, with the layer's small steps fused in.
+
+At batch 1 a decode step is memory-bound: each projection reads its weight once and does two
+flops per weight. cuBLAS picks GEMM tiles for M = 1 that leave the smaller matrices well below
+bandwidth (qkv and o of Llama-3.2-1B at ~2 TB/s of the H200's ~4), and the steps around them —
+residual add + RMSNorm before qkv and gate_up, SiLU(gate) * up after gate_up — are separate
+launches of ~2 µs each, a third of a layer's time. Here one kernel does all of a projection:
+
+    out = epilogue(W @ prologue(x))
+
+- prologue: nothing, or RMSNorm(x [+ residual]): every program recomputes the row's inverse RMS
+  from the whole row (a few KB, read from L2) and normalizes each chunk as it streams the
+  weight; program 0 also writes x + residual, the residual stream for the layer after.
+- epilogue: nothing, or SiLU(gate) * up: a program reads the gate rows and the matching up rows
+  of a merged gate_up weight and writes their product.
+
+Intermediate values are rounded to the activation dtype where the unfused layers round them
+(fused_kernels.py), so the two paths agree as far as summation order allows.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _normalized_chunk(
+    x_ptr, residual_ptr, norm_weight_ptr, offs, mask, rstd,
+    NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+):  # fmt: skip
+    """x[offs] as the projection sees it: (x + residual), normalized and scaled when NORM."""
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        # the residual add rounds to the activation dtype, as HF's does
+        x = (x.to(tl.float32) + tl.load(residual_ptr + offs, mask=mask, other=0.0).to(tl.float32))
+        x = x.to(x_ptr.dtype.element_ty)
+    if NORM:
+        normed = (x.to(tl.float32) * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)
+        weight = tl.load(norm_weight_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        x = (weight * normed).to(x_ptr.dtype.element_ty)
+    return x.to(tl.float32)
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr,  # (K,) the input row
+    residual_ptr,  # (K,) added to x before the norm, when HAS_RESIDUAL
+    norm_weight_ptr,  # (K,) when NORM
+    residual_out_ptr,  # (K,) x + residual, written by program 0 when HAS_RESIDUAL
+    w_ptr,  # (rows, K), row stride stride_w; with SILU_MUL the up rows start at row N
+    bias_ptr,  # (rows,) when HAS_BIAS
+    out_ptr,  # (N,)
+    N,  # outputs
+    K,
+    stride_w,
+    eps,
+    NORM: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SILU_MUL: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    ROW_BLOCK: tl.constexpr,  # K padded to a power of two: the norm's first pass in one load
+):
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < N
+    rstd = 0.0
+    if NORM:  # the whole row first, for its inverse RMS (names apart from the loop's)
+        row_offs = tl.arange(0, ROW_BLOCK)
+        row_in_k = row_offs < K
+        row = tl.load(x_ptr + row_offs, mask=row_in_k, other=0.0)
+        if HAS_RESIDUAL:
+            row_residual = tl.load(residual_ptr + row_offs, mask=row_in_k, other=0.0)
+            row = (row.to(tl.float32) + row_residual.to(tl.float32)).to(x_ptr.dtype.element_ty)
+            if pid == 0:
+                tl.store(residual_out_ptr + row_offs, row, mask=row_in_k)
+        row_f32 = row.to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(row_f32 * row_f32, axis=0) / K + eps)
+    w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_w
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs = k0 + tl.arange(0, BLOCK_K)
+        mask = offs < K
+        x = _normalized_chunk(
+            x_ptr, residual_ptr, norm_weight_ptr, offs, mask, rstd, NORM, HAS_RESIDUAL
+        )
+        w_mask = row_mask[:, None] & mask[None, :]
+        w = tl.load(w_rows + offs[None, :], mask=w_mask, other=0.0, eviction_policy="evict_first")
+        acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+        if SILU_MUL:
+            up = tl.load(w_rows + N * stride_w + offs[None, :], mask=w_mask, other=0.0,
+                         eviction_policy="evict_first")
+            acc_up += tl.sum(up.to(tl.float32) * x[None, :], axis=1)
+    dtype = out_ptr.dtype.element_ty
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
+        if SILU_MUL:
+            acc_up += tl.load(bias_ptr + N + rows, mask=row_mask, other=0.0).to(tl.float32)
+    if SILU_MUL:
+        # as the unfused path: gate and up rounded as gate_up's output, silu(gate) rounded
+        gate = acc.to(dtype).to(tl.float32)
+        silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+        acc = silu * acc_up.to(dtype).to(tl.float32)
+    tl.store(out_ptr + rows, acc.to(dtype), mask=row_mask)
+
+
+def default_config(num_outputs: int, k: int, silu_mul: bool) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages), from `python -m workers.layers.tune_gemv` on
+    an H200: a few rows a program (hundreds of programs, so every SM has loads in flight from
+    the start) and long K chunks; more warps for the small matrices, whose time is mostly the
+    ramp up to bandwidth. gate_up (two rows a output) of a wide MLP over a narrow hidden size
+    streams best in shorter chunks of more rows."""
+    if silu_mul:
+        block_n, block_k = (16, 512) if k <= 2048 and num_outputs >= 4096 else (4, 1024)
+        return block_n, min(block_k, triton.next_power_of_2(k)), 4, 3
+    block_n = 8 if num_outputs <= 2048 else 4
+    small = k <= 2048 and num_outputs <= 3072
+    num_warps = 8 if block_n == 8 or small else 4
+    return block_n, min(1024, triton.next_power_of_2(k)), num_warps, 3
+
+
+def gemv(
+    x: torch.Tensor,  # (1, K)
+    weight: torch.Tensor,  # (N, K), or (2N, K) gate rows then up rows with silu_mul
+    bias: torch.Tensor | None = None,
+    *,
+    residual: torch.Tensor | None = None,  # (1, K)
+    norm_weight: torch.Tensor | None = None,  # (K,)
+    eps: float = 0.0,
+    silu_mul: bool = False,
+    config: tuple[int, int, int, int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(out, new residual): out = W @ x with the optional prologue and epilogue of the module
+    docstring; the new residual is x + residual when one was given, else None.
+
+    x is a single row: the caller takes this path only for decode steps of one sequence.
+    """
+    if x.dim() != 2 or x.shape[0] != 1:
+        raise ValueError(f"gemv takes one row, got input of shape {tuple(x.shape)}")
+    k = x.shape[1]
+    rows, weight_k = weight.shape
+    if weight_k != k or weight.stride(1) != 1:
+        raise ValueError(f"weight {tuple(weight.shape)} does not take inputs of size {k}")
+    if residual is not None and norm_weight is None:
+        raise ValueError("a residual is only added before a norm")
+    if silu_mul and rows % 2:
+        raise ValueError(f"silu_mul needs gate and up rows, got {rows} rows")
+    n = rows // 2 if silu_mul else rows
+    x = x.contiguous()
+    out = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    residual_out = torch.empty_like(x) if residual is not None else None
+    block_n, block_k, num_warps, num_stages = config or default_config(n, k, silu_mul)
+    _gemv_kernel[(triton.cdiv(n, block_n),)](
+        x,
+        residual.contiguous() if residual is not None else x,
+        norm_weight if norm_weight is not None else x,
+        residual_out if residual_out is not None else x,
+        weight,
+        bias if bias is not None else x,
+        out,
+        n,
+        k,
+        weight.stride(0),
+        eps,
+        NORM=norm_weight is not None,
+        HAS_RESIDUAL=residual is not None,
+        HAS_BIAS=bias is not None,
+        SILU_MUL=silu_mul,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        ROW_BLOCK=triton.next_power_of_2(k),
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    return out, residual_out
