@@ -110,7 +110,7 @@ def test_fused_by_default_only_on_cuda_with_the_triton_backend():
     assert fused_kernels_by_default("cuda", TritonAttentionBackend())
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen3"])  # qwen3: per-head q/k norms
+@pytest.mark.parametrize("name", ["llama", "qwen3", "qwen2"])  # per-head q/k norms; qkv bias
 def test_fused_model_matches_plain(tiny_models, name):
     def load(fused):
         tp, backend = TensorParallelGroup.single(), TritonAttentionBackend()
