@@ -78,7 +78,7 @@ def call(what: str, wrapper: Callable, *args, **kwargs) -> None:
 def compile_all() -> None:
     """Each kernel's wrapper called as the models call it."""
     from workers.layers.fused_kernels import add_rms_norm, rms_norm, rotary_inplace, silu_and_mul
-    from workers.layers.gemv import gemv
+    from workers.layers.gemv import gemv, qkv_rotary_store
 
     # (hidden, heads, kv heads, head_dim, intermediate): Llama-3.2-1B, Qwen3-0.6B, 8B at TP 2
     shapes = [(2048, 32, 8, 64, 8192), (1024, 16, 8, 128, 3072), (4096, 16, 4, 128, 7168)]
@@ -98,6 +98,13 @@ def compile_all() -> None:
         call("gemv gate_up", gemv, x, zeros(2 * inter, hidden), residual=res, norm_weight=norm,
              silu_mul=True)
         call("gemv down", gemv, zeros(1, inter), zeros(hidden, inter))
+        cache = zeros(8, 16, kv_heads, head_dim)
+        rotary_args = (zeros(1, head_dim), zeros(1, head_dim), cache, cache,
+                       torch.zeros(1, dtype=torch.int64), heads)
+        call("qkv + rotary + store", qkv_rotary_store, x, qkv_w, None, res, norm, 1e-5,
+             *rotary_args)
+        call("qkv + rotary + store, first layer, bias", qkv_rotary_store, x, qkv_w,
+             zeros(len(qkv_w)), None, norm, 1e-5, *rotary_args)
         h, qkv = zeros(64, hidden), zeros(64, heads + 2 * kv_heads, head_dim)
         q, k = qkv[:, :heads], qkv[:, heads : heads + kv_heads]
         call("rms_norm", rms_norm, h, norm, 1e-5)

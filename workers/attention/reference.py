@@ -102,4 +102,8 @@ class ReferenceAttentionBackend:
         scale: float,
     ) -> torch.Tensor:
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        return self.attend(q, k_cache, v_cache, meta, scale)
+
+    def attend(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """Attention over the cache, which already holds this step's K and V."""
         return paged_attention(q, k_cache, v_cache, meta, scale)

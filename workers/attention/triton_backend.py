@@ -32,6 +32,10 @@ class TritonAttentionBackend:
         scale: float,
     ) -> torch.Tensor:
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        return self.attend(q, k_cache, v_cache, meta, scale)
+
+    def attend(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """Attention over the cache, which already holds this step's K and V."""
         if meta.is_pure_decode:
             assert q.shape[0] == meta.num_seqs, "decode expects one query row per sequence"
             num_splits = meta.decode_num_splits or choose_num_splits(

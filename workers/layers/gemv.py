@@ -42,6 +42,50 @@ def _normalized_chunk(
 
 
 @triton.jit
+def _inverse_rms(
+    x_ptr, residual_ptr, residual_out_ptr, K, eps, WRITE_RESIDUAL,
+    HAS_RESIDUAL: tl.constexpr, ROW_BLOCK: tl.constexpr,
+):  # fmt: skip
+    """1 / RMS(x [+ residual]) over the whole row; writes x + residual when WRITE_RESIDUAL."""
+    offs = tl.arange(0, ROW_BLOCK)
+    in_k = offs < K
+    row = tl.load(x_ptr + offs, mask=in_k, other=0.0)
+    if HAS_RESIDUAL:
+        residual = tl.load(residual_ptr + offs, mask=in_k, other=0.0)
+        row = (row.to(tl.float32) + residual.to(tl.float32)).to(x_ptr.dtype.element_ty)
+        if WRITE_RESIDUAL:
+            tl.store(residual_out_ptr + offs, row, mask=in_k)
+    row_f32 = row.to(tl.float32)
+    return tl.rsqrt(tl.sum(row_f32 * row_f32, axis=0) / K + eps)
+
+
+@triton.jit
+def _project_rows(
+    x_ptr, residual_ptr, norm_weight_ptr, w_rows, row_mask, pair_offset, K, rstd,
+    NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, PAIRED: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """(W[rows] @ x, W[rows + pair offset] @ x when PAIRED) in float32; w_rows: (BLOCK_N, 1)
+    pointers to the rows' starts."""
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    acc_pair = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs = k0 + tl.arange(0, BLOCK_K)
+        mask = offs < K
+        x = _normalized_chunk(
+            x_ptr, residual_ptr, norm_weight_ptr, offs, mask, rstd, NORM, HAS_RESIDUAL
+        )
+        w_mask = row_mask[:, None] & mask[None, :]
+        w = tl.load(w_rows + offs[None, :], mask=w_mask, other=0.0, eviction_policy="evict_first")
+        acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+        if PAIRED:
+            w = tl.load(w_rows + pair_offset + offs[None, :], mask=w_mask, other=0.0,
+                        eviction_policy="evict_first")
+            acc_pair += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+    return acc, acc_pair
+
+
+@triton.jit
 def _gemv_kernel(
     x_ptr,  # (K,) the input row
     residual_ptr,  # (K,) added to x before the norm, when HAS_RESIDUAL
@@ -66,33 +110,13 @@ def _gemv_kernel(
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < N
     rstd = 0.0
-    if NORM:  # the whole row first, for its inverse RMS (names apart from the loop's)
-        row_offs = tl.arange(0, ROW_BLOCK)
-        row_in_k = row_offs < K
-        row = tl.load(x_ptr + row_offs, mask=row_in_k, other=0.0)
-        if HAS_RESIDUAL:
-            row_residual = tl.load(residual_ptr + row_offs, mask=row_in_k, other=0.0)
-            row = (row.to(tl.float32) + row_residual.to(tl.float32)).to(x_ptr.dtype.element_ty)
-            if pid == 0:
-                tl.store(residual_out_ptr + row_offs, row, mask=row_in_k)
-        row_f32 = row.to(tl.float32)
-        rstd = tl.rsqrt(tl.sum(row_f32 * row_f32, axis=0) / K + eps)
+    if NORM:
+        rstd = _inverse_rms(x_ptr, residual_ptr, residual_out_ptr, K, eps, pid == 0,
+                            HAS_RESIDUAL, ROW_BLOCK)
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_w
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    acc_up = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        offs = k0 + tl.arange(0, BLOCK_K)
-        mask = offs < K
-        x = _normalized_chunk(
-            x_ptr, residual_ptr, norm_weight_ptr, offs, mask, rstd, NORM, HAS_RESIDUAL
-        )
-        w_mask = row_mask[:, None] & mask[None, :]
-        w = tl.load(w_rows + offs[None, :], mask=w_mask, other=0.0, eviction_policy="evict_first")
-        acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
-        if SILU_MUL:
-            up = tl.load(w_rows + N * stride_w + offs[None, :], mask=w_mask, other=0.0,
-                         eviction_policy="evict_first")
-            acc_up += tl.sum(up.to(tl.float32) * x[None, :], axis=1)
+    acc, acc_up = _project_rows(x_ptr, residual_ptr, norm_weight_ptr, w_rows, row_mask,
+                                N * stride_w, K, rstd, NORM, HAS_RESIDUAL, SILU_MUL, BLOCK_N,
+                                BLOCK_K)
     dtype = out_ptr.dtype.element_ty
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
@@ -104,6 +128,76 @@ def _gemv_kernel(
         silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
         acc = silu * acc_up.to(dtype).to(tl.float32)
     tl.store(out_ptr + rows, acc.to(dtype), mask=row_mask)
+
+
+@triton.jit
+def _qkv_rotary_kernel(
+    x_ptr,  # (K,) the layer's input row
+    residual_ptr,  # (K,) when HAS_RESIDUAL
+    norm_weight_ptr,  # (K,) the input RMSNorm's weight
+    residual_out_ptr,  # (K,) x + residual, written by program 0 when HAS_RESIDUAL
+    w_ptr,  # ((heads + 2 * kv_heads) * HEAD_DIM, K): q heads, then k heads, then v heads
+    bias_ptr,  # (rows,) when HAS_BIAS
+    cos_ptr,  # (HEAD_DIM,) this token's rotary cos; both halves equal, the first is read
+    sin_ptr,
+    q_out_ptr,  # (heads * HEAD_DIM,)
+    k_cache_ptr,  # (slots, kv_heads, HEAD_DIM), contiguous
+    v_cache_ptr,
+    slot_ptr,  # (1,) int64: the token's cache slot, below zero for a padding token
+    K,
+    stride_w,
+    eps,
+    num_heads,
+    num_kv_heads,
+    HEAD_DIM: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_N: tl.constexpr,  # rotary pairs a program: BLOCK_N rows from each half of one head
+    BLOCK_K: tl.constexpr,
+    ROW_BLOCK: tl.constexpr,
+):
+    """qkv = W @ RMSNorm(x [+ residual]), then rotary on q and k (neox: element i of a head
+    turns with element i + HEAD_DIM / 2, so a program takes rows from both halves), q to
+    q_out and k, v straight into the paged cache."""
+    HALF: tl.constexpr = HEAD_DIM // 2
+    CHUNKS: tl.constexpr = HALF // BLOCK_N
+    pid = tl.program_id(0)
+    head = pid // CHUNKS
+    pair = (pid % CHUNKS) * BLOCK_N + tl.arange(0, BLOCK_N)  # offsets in the first half
+    rows = head * HEAD_DIM + pair
+    row_mask = pair < HALF
+    rstd = _inverse_rms(x_ptr, residual_ptr, residual_out_ptr, K, eps, pid == 0, HAS_RESIDUAL,
+                        ROW_BLOCK)
+    w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_w
+    first, second = _project_rows(x_ptr, residual_ptr, norm_weight_ptr, w_rows, row_mask,
+                                  HALF * stride_w, K, rstd, True, HAS_RESIDUAL, True, BLOCK_N,
+                                  BLOCK_K)
+    if HAS_BIAS:
+        first += tl.load(bias_ptr + rows).to(tl.float32)
+        second += tl.load(bias_ptr + rows + HALF).to(tl.float32)
+    dtype = q_out_ptr.dtype.element_ty
+    # rounded as the unfused qkv output, then turned in float32 as the rotary kernel does
+    first, second = first.to(dtype).to(tl.float32), second.to(dtype).to(tl.float32)
+    if head < num_heads + num_kv_heads:  # q or k: rotary
+        cos = tl.load(cos_ptr + pair).to(tl.float32)
+        sin = tl.load(sin_ptr + pair).to(tl.float32)
+        first, second = first * cos - second * sin, second * cos + first * sin
+    first, second = first.to(dtype), second.to(dtype)
+    if head < num_heads:
+        tl.store(q_out_ptr + rows, first)
+        tl.store(q_out_ptr + rows + HALF, second)
+    else:
+        slot = tl.load(slot_ptr).to(tl.int64)
+        if slot >= 0:
+            slot_row = slot * num_kv_heads * HEAD_DIM + pair
+            if head < num_heads + num_kv_heads:
+                k_row = k_cache_ptr + slot_row + (head - num_heads) * HEAD_DIM
+                tl.store(k_row, first.to(k_cache_ptr.dtype.element_ty))
+                tl.store(k_row + HALF, second.to(k_cache_ptr.dtype.element_ty))
+            else:
+                v_row = v_cache_ptr + slot_row + (head - num_heads - num_kv_heads) * HEAD_DIM
+                tl.store(v_row, first.to(v_cache_ptr.dtype.element_ty))
+                tl.store(v_row + HALF, second.to(v_cache_ptr.dtype.element_ty))
 
 
 def default_config(num_outputs: int, k: int, silu_mul: bool) -> tuple[int, int, int, int]:
@@ -175,3 +269,71 @@ def gemv(
         num_stages=num_stages,
     )
     return out, residual_out
+
+
+def qkv_rotary_store(
+    x: torch.Tensor,  # (1, K)
+    weight: torch.Tensor,  # ((heads + 2 * kv_heads) * head_dim, K)
+    bias: torch.Tensor | None,
+    residual: torch.Tensor | None,  # (1, K); None at the first layer
+    norm_weight: torch.Tensor,  # (K,)
+    eps: float,
+    cos: torch.Tensor,  # (1, head_dim)
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,  # (num_blocks, block_size, kv_heads, head_dim), contiguous
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # (1,) int64
+    num_heads: int,
+    config: tuple[int, int, int, int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A decode step's attention input for one sequence in one kernel: (q (1, heads, head_dim)
+    after rotary, the new residual); k and v, rotary applied to k, are written into the cache
+    at the token's slot. The unfused equivalent: add_rms_norm, the qkv matmul, rotary_inplace
+    and store_kv."""
+    if x.dim() != 2 or x.shape[0] != 1:
+        raise ValueError(f"qkv_rotary_store takes one row, got input of shape {tuple(x.shape)}")
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    k = x.shape[1]
+    rows = (num_heads + 2 * num_kv_heads) * head_dim
+    if weight.shape != (rows, k) or weight.stride(1) != 1:
+        raise ValueError(f"qkv weight {tuple(weight.shape)} is not ({rows}, {k})")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("the KV cache must be contiguous")
+    if cos.shape != (1, head_dim) or sin.shape != (1, head_dim) or slot_mapping.shape != (1,):
+        raise ValueError("cos, sin and slot_mapping must be one token's")
+    block_n, block_k, num_warps, num_stages = config or default_config(rows, k, False)
+    pairs = max(1, block_n // 2)  # a program takes `pairs` rows from each half of a head
+    if (head_dim // 2) % pairs:
+        raise ValueError(f"head_dim {head_dim} does not split into programs of {pairs} pairs")
+    x = x.contiguous()
+    q = torch.empty((1, num_heads, head_dim), dtype=x.dtype, device=x.device)
+    residual_out = torch.empty_like(x) if residual is not None else x
+    grid = ((num_heads + 2 * num_kv_heads) * (head_dim // 2 // pairs),)
+    _qkv_rotary_kernel[grid](
+        x,
+        residual.contiguous() if residual is not None else x,
+        norm_weight,
+        residual_out,
+        weight,
+        bias if bias is not None else x,
+        cos.contiguous(),
+        sin.contiguous(),
+        q,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        k,
+        weight.stride(0),
+        eps,
+        num_heads,
+        num_kv_heads,
+        HEAD_DIM=head_dim,
+        HAS_RESIDUAL=residual is not None,
+        HAS_BIAS=bias is not None,
+        BLOCK_N=pairs,
+        BLOCK_K=block_k,
+        ROW_BLOCK=triton.next_power_of_2(k),
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    return q, residual_out

@@ -108,6 +108,24 @@ class LlamaAttention(nn.Module):
     def forward(self, hidden, cos, sin, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         return self.attend(self.qkv_proj(hidden), cos, sin, k_cache, v_cache, meta)
 
+    def forward_one_token(
+        self, hidden, residual, norm, cos, sin, k_cache, v_cache, meta: AttentionMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """For one row, fused: (o_proj's output, the new residual). In models without per-head
+        q/k norms (all but Qwen3) the input norm, qkv, rotary and the K/V store are one kernel."""
+        if self.q_norm is not None:
+            qkv, residual = norm.project(hidden, residual, self.qkv_proj)
+            return self.attend(qkv, cos, sin, k_cache, v_cache, meta), residual
+        # imported here: models built without the fused kernels must not need Triton
+        from workers.layers.gemv import qkv_rotary_store
+
+        q, residual = qkv_rotary_store(
+            hidden, self.qkv_proj.weight, self.qkv_proj.bias, residual, norm.weight, norm.eps,
+            cos, sin, k_cache, v_cache, meta.slot_mapping, self.qkv_proj.num_local_heads,
+        )  # fmt: skip
+        out = self.backend.attend(q, k_cache, v_cache, meta, scale=self.scale)
+        return self.o_proj(out.flatten(1)), residual
+
     def attend(self, qkv, cos, sin, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         """qkv: (T, (local_heads + 2 * local_kv_heads) * head_dim) → o_proj's output."""
         sizes = [self.qkv_proj.q_size, self.qkv_proj.kv_size, self.qkv_proj.kv_size]
@@ -176,10 +194,12 @@ class LlamaDecoderLayer(nn.Module):
 
     def _forward_one_token(self, hidden, residual, cos, sin, k_cache, v_cache, meta):
         """forward_fused for a decode step of one sequence: each norm runs inside the projection
-        after it, and SiLU * up inside gate_up (workers/layers/gemv.py) — 4 fewer launches."""
-        attention, mlp = self.self_attn, self.mlp
-        qkv, residual = self.input_layernorm.project(hidden, residual, attention.qkv_proj)
-        hidden = attention.attend(qkv, cos, sin, k_cache, v_cache, meta)
+        after it, SiLU * up inside gate_up, rotary and the K/V store inside qkv
+        (workers/layers/gemv.py) — 6 fewer launches."""
+        hidden, residual = self.self_attn.forward_one_token(
+            hidden, residual, self.input_layernorm, cos, sin, k_cache, v_cache, meta
+        )
+        mlp = self.mlp
         act, residual = self.post_attention_layernorm.project(
             hidden, residual, mlp.gate_up_proj, silu_mul=True
         )
