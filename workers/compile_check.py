@@ -77,6 +77,7 @@ def call(what: str, wrapper: Callable, *args, **kwargs) -> None:
 
 def compile_all() -> None:
     """Each kernel's wrapper called as the models call it."""
+    from workers.greedy import greedy_tokens
     from workers.layers.fused_kernels import add_rms_norm, rms_norm, rotary_inplace, silu_and_mul
     from workers.layers.gemv import gemv, qkv_rotary_store
 
@@ -113,6 +114,8 @@ def compile_all() -> None:
         call("rotary", rotary_inplace, q, k, zeros(64, head_dim), zeros(64, head_dim))
         call("silu_and_mul", silu_and_mul, zeros(64, 2 * inter))
         compile_attention(zeros, heads, kv_heads, head_dim)
+    for vocab in (128256, 151936):  # Llama 3's and Qwen3's; the sampler's logits are float32
+        call("greedy tokens", greedy_tokens, torch.zeros(1, vocab))
 
 
 def compile_attention(zeros: Callable, heads: int, kv_heads: int, head_dim: int) -> None:

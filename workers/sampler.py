@@ -83,7 +83,7 @@ class Sampler:
     ) -> SamplerOutput:
         raw = logits.float()  # may alias the caller's tensor: nothing below works in place
         logits = apply_penalties(raw, specs, prompt_token_ids, output_token_ids)
-        token_ids = logits.argmax(dim=-1)  # (B,) the greedy answer for every row
+        token_ids = greedy(logits)  # (B,) the greedy answer for every row
         sampled_rows = [not spec.is_greedy for spec in specs]
         if any(sampled_rows):
             sampled = self.sample(logits, specs, generators)
@@ -110,6 +110,16 @@ class Sampler:
         own = [g if not s.is_greedy else None for g, s in zip(generators, specs, strict=True)]
         needs_shared = any(g is None and not s.is_greedy for g, s in zip(own, specs, strict=True))
         return exponential_race(probs, own, self.generator, needs_shared)
+
+
+def greedy(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax; on a GPU in two passes (workers/greedy.py: torch's one block per row
+    leaves a batch-1 step's 128k logits to one SM)."""
+    if logits.is_cuda:
+        from workers.greedy import greedy_tokens  # Triton only where there is a GPU
+
+        return greedy_tokens(logits)
+    return logits.argmax(dim=-1)
 
 
 def row_values(like: torch.Tensor, values: Sequence[float]) -> torch.Tensor:

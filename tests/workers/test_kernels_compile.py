@@ -7,7 +7,7 @@ import sys
 
 KERNELS = ("_gemv_kernel", "_qkv_rotary_kernel", "_rms_norm_kernel", "_rotary_kernel",
            "_silu_and_mul_kernel", "_store_kv_kernel", "_extend_kernel", "_decode_split_kernel",
-           "_decode_reduce_kernel")
+           "_decode_reduce_kernel", "_chunk_max_kernel", "_row_max_kernel")
 
 
 def test_every_kernel_compiles_for_sm_90():
