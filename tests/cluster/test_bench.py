@@ -87,3 +87,26 @@ def test_serve_bench_reads_chunk_times_and_usage_from_raw_events():
     for now, item in enumerate(events, start=1):
         read_event(item, float(now), timing)
     assert timing.chunk_times == [1.0, 2.0, 3.0] and timing.output_tokens == 4
+
+
+def test_serve_bench_warms_each_load_up_before_measuring_it():
+    """A short run of each load first (its batch shapes compile there), then 8 x concurrency
+    measured requests; only the measured ones are summarized."""
+    import argparse
+    import asyncio
+
+    from cluster.bench.serve_bench import Load, Timing, run_loads
+
+    sent: list[tuple[int, int]] = []
+
+    async def send(prompt: list[int], output_len: int) -> Timing:
+        sent.append((len(prompt), output_len))
+        return Timing(start=0.0, chunk_times=[0.1], end=0.2, output_tokens=output_len)
+
+    args = argparse.Namespace(input_len=12, output_len=64, num_requests=0, seed=0)
+    results = asyncio.run(run_loads(send, args, [Load(concurrency=2), Load(concurrency=5)],
+                                    vocab=100))
+    assert sent == ([(12, 16)] * 2 + [(12, 64)] * 32 +  # concurrency 2: at least 32 measured
+                    [(12, 16)] * 5 + [(12, 64)] * 40)  # concurrency 5: 8 x 5
+    assert [r["requests"] for r in results.values()] == [32, 40]
+    assert results["concurrency 5"]["output_tokens"] == 40 * 64
