@@ -14,6 +14,10 @@ launches of ~2 µs each, a third of a layer's time. Here one kernel does all of 
 - epilogue: nothing, or SiLU(gate) * up: a program reads the gate rows and the matching up rows
   of a merged gate_up weight and writes their product.
 
+``qkv_rotary_store`` goes further for the attention input: after the norm and the qkv rows it
+applies rotary to q and k and writes k and v into the paged cache itself, so a layer's
+attention needs no rotary or store launch (models without per-head q/k norms).
+
 Intermediate values are rounded to the activation dtype where the unfused layers round them
 (fused_kernels.py), so the two paths agree as far as summation order allows.
 """
