@@ -9,6 +9,7 @@ On a CUDA machine nothing is set (GPU tests must get compiled kernels) and the i
 tests skip themselves.
 """
 
+import contextlib
 import os
 
 import torch
@@ -23,18 +24,16 @@ import triton.language as tl  # noqa: E402
 from triton.runtime import interpreter  # noqa: E402
 
 
-@pytest.fixture(autouse=True, scope="module")
-def interpreter_fixes():
-    """Two bugs of Triton 3.6's interpreter that the GPU compiler does not have, patched for
-    the importing module's tests only:
+@contextlib.contextmanager
+def patched_interpreter():
+    """Two bugs of Triton 3.6's interpreter that the GPU compiler does not have, patched while
+    the context lasts:
 
     - it calls int() on a scalar held as a 1-element array, which numpy >= 2.4 refuses, so
       ``range(start, end)`` over loaded bounds fails (triton-lang/triton#9171, fixed by #9172);
     - it stores bfloat16 as uint16 and ``tl.dot`` multiplies those bit patterns
       (triton-lang/triton#11584): convert bfloat16 operands to float32 first.
     """
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("interpreter tests run on a machine without CUDA")
     original_patch_tensor = interpreter._patch_lang_tensor
     original_dot = interpreter.InterpreterBuilder.create_dot
 
@@ -55,4 +54,13 @@ def interpreter_fixes():
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(interpreter, "_patch_lang_tensor", patch_lang_tensor)
         patch.setattr(interpreter.InterpreterBuilder, "create_dot", create_dot)
+        yield
+
+
+@pytest.fixture(autouse=True, scope="module")
+def interpreter_fixes():
+    """The importing module's tests run under ``patched_interpreter`` (skipped with CUDA)."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("interpreter tests run on a machine without CUDA")
+    with patched_interpreter():
         yield
