@@ -50,8 +50,10 @@ class Compiler:
         self.done: dict[tuple, str] = {}
 
     def run(self, kernel: JITFunction, *args, grid, warmup, **kwargs) -> None:
-        options = {key: kwargs.pop(key) for key in ("num_warps", "num_stages") if key in kwargs}
+        launch = ("num_warps", "num_stages", "launch_pdl")
+        options = {key: kwargs.pop(key) for key in launch if key in kwargs}
         bound = inspect.signature(kernel.fn).bind(*args, **kwargs)
+        bound.apply_defaults()
         signature, constexprs = {}, {}
         for param in kernel.params:
             value = bound.arguments[param.name]
@@ -99,6 +101,11 @@ def compile_all() -> None:
         call("gemv gate_up", gemv, x, zeros(2 * inter, hidden), residual=res, norm_weight=norm,
              silu_mul=True)
         call("gemv down", gemv, zeros(1, inter), zeros(hidden, inter))
+        for chunks in (0, 2):  # the programmatic-dependent-launch experiment (tune_gemv --pdl)
+            call("gemv qkv, PDL", gemv, x, qkv_w, residual=res, norm_weight=norm,
+                 pdl_prefetch_chunks=chunks)
+            call("gemv gate_up, PDL", gemv, x, zeros(2 * inter, hidden), residual=res,
+                 norm_weight=norm, silu_mul=True, pdl_prefetch_chunks=chunks)
         cache = zeros(8, 16, kv_heads, head_dim)
         rotary_args = (zeros(1, head_dim), zeros(1, head_dim), cache, cache,
                        torch.zeros(1, dtype=torch.int64), heads)

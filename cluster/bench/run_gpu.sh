@@ -22,3 +22,4 @@ stage "W2 by step" ${STEPS_TIME:-90} python -m cluster.bench.step_times
 stage "attention" ${ATTN_TIME:-70} python -m workers.attention.bench_attention
 stage "decode attention tuning" ${TUNE_TIME:-150} python -m workers.attention.tune_decode
 stage "one-token projections" ${GEMV_TIME:-240} python -m workers.layers.tune_gemv
+stage "one-token projections, programmatic dependent launch" ${PDL_TIME:-90} python -m workers.layers.tune_gemv --pdl
