@@ -2,11 +2,13 @@
 # The one-GPU runs of docs/benchmarks.md, in one go: GPU tests, kernel checks, W1, W2, W4, W2 by
 # kind of step, the attention check, the decode kernel sweep and the one-token projection sweep.
 # Usage: OUT=<folder> bash cluster/bench/run_gpu.sh   (each stage has its own time limit)
+#   ONLY=<regex> runs only the stages whose names match (all stages take longer than one
+#   10-minute device call), e.g. ONLY='gpu tests|W1|projections'.
 set -o pipefail
 export PYTHONUNBUFFERED=1 TANDEM_CACHE_DIR=${TANDEM_CACHE_DIR:-/tmp/tandem-cache}
 OUT=${OUT:-bench-results}; mkdir -p "$OUT"
 LOG="$OUT/log.txt"; ERR="$OUT/stderr.txt"
-stage() { echo "== $1" | tee -a "$LOG"; shift; timeout "$@" 2>>"$ERR" | tee -a "$LOG"; echo "rc=$?" | tee -a "$LOG"; }
+stage() { [[ -z "${ONLY:-}" || "$1" =~ $ONLY ]] || return 0; echo "== $1" | tee -a "$LOG"; shift; timeout "$@" 2>>"$ERR" | tee -a "$LOG"; echo "rc=$?" | tee -a "$LOG"; }
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv | tee -a "$LOG"
 stage "gpu tests" ${TESTS_TIME:-90} python -m pytest -q -p no:cacheprovider -m gpu tests/workers/test_cuda_graphs.py \
   tests/workers/test_fused_kernels.py
