@@ -15,6 +15,7 @@ import inspect
 import os
 import sys
 from collections.abc import Callable
+from unittest import mock
 
 import torch
 
@@ -25,6 +26,8 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
+
+from workers.layers import pdl  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)  # H100 / H200
 TYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16",
@@ -77,8 +80,9 @@ def call(what: str, wrapper: Callable, *args, **kwargs) -> None:
         raise SystemExit(f"{what}: {type(error).__name__}: {error}") from error
 
 
-def compile_all() -> None:
-    """Each kernel's wrapper called as the models call it."""
+def compile_all(with_pdl: bool = False) -> None:
+    """Each kernel's wrapper called as the models call it; ``with_pdl``: as they launch with
+    TANDEM_PDL_PREFETCH_CHUNKS set (workers/layers/pdl.py), for the first shape only."""
     from workers.greedy import greedy_tokens
     from workers.layers.fused_kernels import add_rms_norm, rms_norm, rotary_inplace, silu_and_mul
     from workers.layers.gemv import gemv, qkv_rotary_store
@@ -88,6 +92,8 @@ def compile_all() -> None:
     # every shape in bfloat16; the other dtypes' kernels differ only in types, one shape each
     cases = [(torch.bfloat16, shape) for shape in shapes]
     cases += [(torch.float16, shapes[0]), (torch.float32, shapes[0])]
+    if with_pdl:
+        cases = cases[:1]
     for dtype, (hidden, heads, kv_heads, head_dim, inter) in cases:
         zeros = functools.partial(torch.zeros, dtype=dtype)  # zeros(*shape) in this dtype
 
@@ -101,11 +107,6 @@ def compile_all() -> None:
         call("gemv gate_up", gemv, x, zeros(2 * inter, hidden), residual=res, norm_weight=norm,
              silu_mul=True)
         call("gemv down", gemv, zeros(1, inter), zeros(hidden, inter))
-        for chunks in (0, 2):  # the programmatic-dependent-launch experiment (tune_gemv --pdl)
-            call("gemv qkv, PDL", gemv, x, qkv_w, residual=res, norm_weight=norm,
-                 pdl_prefetch_chunks=chunks)
-            call("gemv gate_up, PDL", gemv, x, zeros(2 * inter, hidden), residual=res,
-                 norm_weight=norm, silu_mul=True, pdl_prefetch_chunks=chunks)
         cache = zeros(8, 16, kv_heads, head_dim)
         rotary_args = (zeros(1, head_dim), zeros(1, head_dim), cache, cache,
                        torch.zeros(1, dtype=torch.int64), heads)
@@ -149,6 +150,10 @@ def main() -> None:
     JITFunction.run = lambda self, *a, **k: compiler.run(self, *a, **k)  # type: ignore[method-assign]
     try:
         compile_all()
+        pdl.prefetch_chunks.cache_clear()
+        with mock.patch.dict(os.environ, {pdl.ENV: "2"}):
+            compile_all(with_pdl=True)
+        pdl.prefetch_chunks.cache_clear()
     finally:
         JITFunction.run = original  # type: ignore[method-assign]
     for line in sorted(compiler.done.values()):

@@ -26,6 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
+from workers.layers.pdl import launch_options, prefetch_rows_then_wait
+
 
 @triton.jit
 def _normalized_chunk(
@@ -90,28 +92,6 @@ def _project_rows(
 
 
 @triton.jit
-def _prefetch_then_wait(w_rows, row_mask, pair_offset, K, PAIRED: tl.constexpr,
-                        PREFETCH_CHUNKS: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Programmatic dependent launch (Hopper): let the next kernel's programs launch now, pull
-    the first chunks of this program's weight rows into L2 (weights depend on no kernel), then
-    wait for the kernel before, whose output is this one's input. One prefetch per 128-byte
-    line of bf16; an asm statement, so the compiler cannot drop it as an unused load."""
-    tl.extra.cuda.gdc_launch_dependents()
-    for chunk in tl.static_range(PREFETCH_CHUNKS):
-        offs = chunk * BLOCK_K + tl.arange(0, BLOCK_K // 64) * 64
-        lines = w_rows + offs[None, :]  # (BLOCK_N, lines)
-        mask = row_mask[:, None] & (offs < K)[None, :]
-        lines = tl.where(mask, lines, w_rows)  # a masked line re-reads the row's first
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [lines],
-                                  dtype=tl.int32, is_pure=False, pack=1)
-        if PAIRED:
-            tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l",
-                                      [lines + pair_offset], dtype=tl.int32, is_pure=False,
-                                      pack=1)
-    tl.extra.cuda.gdc_wait()
-
-
-@triton.jit
 def _gemv_kernel(
     x_ptr,  # (K,) the input row
     residual_ptr,  # (K,) added to x before the norm, when HAS_RESIDUAL
@@ -131,16 +111,17 @@ def _gemv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     ROW_BLOCK: tl.constexpr,  # K padded to a power of two: the norm's first pass in one load
-    PDL: tl.constexpr = False,  # launched as a programmatic dependent (an experiment: tune_gemv)
+    PDL: tl.constexpr = False,  # launched as a programmatic dependent (workers/layers/pdl.py)
     PREFETCH_CHUNKS: tl.constexpr = 0,  # with PDL: weight chunks pulled in before the wait
+    PREFETCH_STEP: tl.constexpr = 64,
 ):
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < N
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_w
     if PDL:
-        _prefetch_then_wait(w_rows, row_mask, N * stride_w, K, SILU_MUL, PREFETCH_CHUNKS,
-                            BLOCK_K)
+        prefetch_rows_then_wait(w_rows, row_mask, N * stride_w, K, SILU_MUL, PREFETCH_CHUNKS,
+                                BLOCK_K, PREFETCH_STEP)
     rstd = 0.0
     if NORM:
         rstd = _inverse_rms(x_ptr, residual_ptr, residual_out_ptr, K, eps, pid == 0,
@@ -186,6 +167,9 @@ def _qkv_rotary_kernel(
     BLOCK_N: tl.constexpr,  # rotary pairs a program: BLOCK_N rows from each half of one head
     BLOCK_K: tl.constexpr,
     ROW_BLOCK: tl.constexpr,
+    PDL: tl.constexpr = False,  # launched as a programmatic dependent (workers/layers/pdl.py)
+    PREFETCH_CHUNKS: tl.constexpr = 0,
+    PREFETCH_STEP: tl.constexpr = 64,
 ):
     """qkv = W @ RMSNorm(x [+ residual]), then rotary on q and k (neox: element i of a head
     turns with element i + HEAD_DIM / 2, so a program takes rows from both halves), q to
@@ -197,9 +181,12 @@ def _qkv_rotary_kernel(
     pair = (pid % CHUNKS) * BLOCK_N + tl.arange(0, BLOCK_N)  # offsets in the first half
     rows = head * HEAD_DIM + pair
     row_mask = pair < HALF
+    w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_w
+    if PDL:
+        prefetch_rows_then_wait(w_rows, row_mask, HALF * stride_w, K, True, PREFETCH_CHUNKS,
+                                BLOCK_K, PREFETCH_STEP)
     rstd = _inverse_rms(x_ptr, residual_ptr, residual_out_ptr, K, eps, pid == 0, HAS_RESIDUAL,
                         ROW_BLOCK)
-    w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_w
     first, second = _project_rows(x_ptr, residual_ptr, norm_weight_ptr, w_rows, row_mask,
                                   HALF * stride_w, K, rstd, True, HAS_RESIDUAL, True, BLOCK_N,
                                   BLOCK_K)
@@ -262,8 +249,9 @@ def gemv(
     docstring; the new residual is x + residual when one was given, else None.
 
     x is a single row: the caller takes this path only for decode steps of one sequence.
-    ``pdl_prefetch_chunks`` (GPU only, not used by the models yet): launch as a programmatic
-    dependent of the kernel before, prefetching that many weight chunks while it finishes.
+    ``pdl_prefetch_chunks`` (GPU only): launch as a programmatic dependent of the kernel before,
+    prefetching that many weight chunks while it finishes; None follows TANDEM_PDL_PREFETCH_CHUNKS
+    (workers/layers/pdl.py), unset by default.
     """
     if x.dim() != 2 or x.shape[0] != 1:
         raise ValueError(f"gemv takes one row, got input of shape {tuple(x.shape)}")
@@ -301,15 +289,9 @@ def gemv(
         ROW_BLOCK=triton.next_power_of_2(k),
         num_warps=num_warps,
         num_stages=num_stages,
-        **pdl_options(pdl_prefetch_chunks),
+        **launch_options(pdl_prefetch_chunks, block_k),
     )
     return out, residual_out
-
-
-def pdl_options(prefetch_chunks: int | None) -> dict:
-    if prefetch_chunks is None:
-        return {}
-    return dict(PDL=True, PREFETCH_CHUNKS=prefetch_chunks, launch_pdl=True)
 
 
 def qkv_rotary_store(
@@ -376,5 +358,6 @@ def qkv_rotary_store(
         ROW_BLOCK=triton.next_power_of_2(k),
         num_warps=num_warps,
         num_stages=num_stages,
+        **launch_options(block_k=block_k),
     )
     return q, residual_out
