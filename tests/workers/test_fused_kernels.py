@@ -8,15 +8,11 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-import torch.multiprocessing as mp  # noqa: E402
-
 from tests.workers.gloo_group import gloo_group  # noqa: E402
 from tests.workers.test_models import (  # noqa: E402
-    TP_CASES,
-    load_ours,
+    check_tp_2_against_tp_1,
     prefill_then_decode,
     prompt,
-    save_tiny_model,
 )
 from tests.workers.triton_interpreter import patched_interpreter  # noqa: E402
 from workers.attention.triton_backend import TritonAttentionBackend  # noqa: E402
@@ -140,22 +136,11 @@ def fused_tp_worker(rank: int, store_file: str, folders: list) -> None:
             model, config = load_model(folder, torch.float32, "cpu", tp, TritonAttentionBackend(),
                                        fused=True)
             logits = prefill_then_decode(model, config, prompt(config.vocab_size), tp_size=2)
-            torch.save(logits, f"{folder}/fused_logits_rank{rank}.pt")
+            torch.save(logits, f"{folder}/logits_rank{rank}.pt")
 
 
 def test_fused_tensor_parallel_2_matches_plain_tp_1(tmp_path):
     """The fused kernels at TP 2 (the decode step's one-row kernels on each rank's shard, the
     row-parallel sums over gloo): biases everywhere, a KV head replicated on both ranks, Qwen3's
     per-head norms, vocabularies that need padding — logits of TP 1's plain layers."""
-    folders = [str(tmp_path / case) for case in TP_CASES]
-    for folder, (config_name, overrides) in zip(folders, TP_CASES.values(), strict=True):
-        save_tiny_model(folder, config_name, overrides)
-    mp.start_processes(fused_tp_worker, args=(str(tmp_path / "store"), folders), nprocs=2,
-                       start_method="spawn")
-    for folder in folders:
-        model, config = load_ours(folder)
-        expected = prefill_then_decode(model, config, prompt(config.vocab_size))
-        for rank in range(2):
-            got = torch.load(f"{folder}/fused_logits_rank{rank}.pt")
-            for g, e in zip(got, expected, strict=True):
-                torch.testing.assert_close(g, e, atol=1e-5, rtol=1e-5)
+    check_tp_2_against_tp_1(tmp_path, fused_tp_worker)

@@ -134,12 +134,15 @@ def tp_worker(rank: int, store_file: str, folders: list) -> None:
             torch.save(logits, f"{folder}/logits_rank{rank}.pt")
 
 
-def test_tensor_parallel_2_matches_tp_1(tmp_path):
+def check_tp_2_against_tp_1(tmp_path, worker) -> None:
+    """Saves the TP_CASES models, runs ``worker(rank, store_file, folders)`` on two spawned
+    ranks (it saves each folder's logits_rank{rank}.pt) and compares them with TP 1's plain
+    layers."""
     folders = [str(tmp_path / case) for case in TP_CASES]
     for folder, (config_name, overrides) in zip(folders, TP_CASES.values(), strict=True):
         save_tiny_model(folder, config_name, overrides)
     mp.start_processes(
-        tp_worker, args=(str(tmp_path / "store"), folders), nprocs=2, start_method="spawn"
+        worker, args=(str(tmp_path / "store"), folders), nprocs=2, start_method="spawn"
     )
     for folder in folders:
         model, config = load_ours(folder)
@@ -148,6 +151,10 @@ def test_tensor_parallel_2_matches_tp_1(tmp_path):
             got = torch.load(f"{folder}/logits_rank{rank}.pt")
             for g, e in zip(got, expected, strict=True):
                 torch.testing.assert_close(g, e, atol=1e-5, rtol=1e-5)
+
+
+def test_tensor_parallel_2_matches_tp_1(tmp_path):
+    check_tp_2_against_tp_1(tmp_path, tp_worker)
 
 
 def test_unsupported_architecture(tmp_path):
