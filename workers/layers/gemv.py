@@ -233,6 +233,11 @@ def default_config(num_outputs: int, k: int, silu_mul: bool) -> tuple[int, int, 
     return block_n, min(1024, triton.next_power_of_2(k)), num_warps, 3
 
 
+def check_one_row(x: torch.Tensor, what: str) -> None:
+    if x.dim() != 2 or x.shape[0] != 1:
+        raise ValueError(f"{what} takes one row, got input of shape {tuple(x.shape)}")
+
+
 def gemv(
     x: torch.Tensor,  # (1, K)
     weight: torch.Tensor,  # (N, K), or (2N, K) gate rows then up rows with silu_mul
@@ -253,8 +258,7 @@ def gemv(
     prefetching that many weight chunks while it finishes; None follows TANDEM_PDL_PREFETCH_CHUNKS
     (workers/layers/pdl.py), unset by default.
     """
-    if x.dim() != 2 or x.shape[0] != 1:
-        raise ValueError(f"gemv takes one row, got input of shape {tuple(x.shape)}")
+    check_one_row(x, "gemv")
     k = x.shape[1]
     rows, weight_k = weight.shape
     if weight_k != k or weight.stride(1) != 1:
@@ -313,8 +317,7 @@ def qkv_rotary_store(
     after rotary, the new residual); k and v, rotary applied to k, are written into the cache
     at the token's slot. The unfused equivalent: add_rms_norm, the qkv matmul, rotary_inplace
     and store_kv."""
-    if x.dim() != 2 or x.shape[0] != 1:
-        raise ValueError(f"qkv_rotary_store takes one row, got input of shape {tuple(x.shape)}")
+    check_one_row(x, "qkv_rotary_store")
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     k = x.shape[1]
     rows = (num_heads + 2 * num_kv_heads) * head_dim
