@@ -124,6 +124,20 @@ def compile_all(with_pdl: bool = False) -> None:
         compile_attention(zeros, heads, kv_heads, head_dim)
     for vocab in (128256, 151936):  # Llama 3's and Qwen3's; the sampler's logits are float32
         call("greedy tokens", greedy_tokens, torch.zeros(1, vocab))
+    if not with_pdl:
+        compile_push_all_reduce()
+
+
+def compile_push_all_reduce() -> None:
+    from workers.layers.push_all_reduce import new_counters, push_all_reduce
+
+    uses = new_counters(torch.device("cpu"))
+    for world in (2, 4, 8):  # every rank compiles its own variant: rank 0 and the last
+        ptrs = torch.zeros(world, dtype=torch.int64)
+        for rank in (0, world - 1):
+            for dtype in (torch.bfloat16, torch.float32):
+                call(f"push all-reduce, rank {rank} of {world}", push_all_reduce,
+                     torch.zeros(1, 4096, dtype=dtype), ptrs, uses, rank, 1 << 20)
 
 
 def compile_attention(zeros: Callable, heads: int, kv_heads: int, head_dim: int) -> None:

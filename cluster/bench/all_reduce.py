@@ -1,4 +1,5 @@
-"""All-reduce latency inside a CUDA graph: NCCL against the peer-memory one-shot kernel.
+"""All-reduce latency inside a CUDA graph: NCCL against the two peer-memory kernels (PyTorch's
+one-shot, tandem's push; workers/layers/symmetric_all_reduce.py).
 
 Two (or more) processes, one GPU each, sum decode-sized tensors (rows x hidden, bf16) many times
 inside one captured graph, as a tensor-parallel decode step does; the figure is µs per sum.
@@ -18,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from workers.layers.symmetric_all_reduce import SymmetricAllReduce
+from workers.layers.symmetric_all_reduce import KERNELS, SymmetricAllReduce
 
 SUMS_PER_GRAPH = 64  # about one decode step of an 8B model at TP 2 (65 sums)
 
@@ -57,19 +58,25 @@ def run_rank(rank: int, args: argparse.Namespace, port: int, queue) -> None:
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=args.world_size, device_id=device)
     group = dist.group.WORLD
-    reducer = SymmetricAllReduce(group, device)
+    reducers = {kernel: SymmetricAllReduce(group, device, kernel=kernel) for kernel in KERNELS}
     rows_out = []
     for rows in args.rows:
         g = torch.Generator(device=device).manual_seed(rows * 100 + rank)
         x = torch.randn(rows, args.hidden, device=device, dtype=torch.bfloat16, generator=g)
         nccl_sum = x.clone()
         dist.all_reduce(nccl_sum, group=group)
-        equal = bool(torch.equal(reducer(x), nccl_sum))
-        nccl_us = graph_us_per_call(lambda t: dist.all_reduce(t, group=group), x.clone(),
-                                    args.replays)
-        symm_us = graph_us_per_call(reducer, x, args.replays)
-        rows_out.append({"rows": rows, "bytes": x.numel() * x.element_size(),
-                         "nccl_us": nccl_us, "symmetric_us": symm_us, "equal": equal})
+        row = {"rows": rows, "bytes": x.numel() * x.element_size(),
+               "nccl_us": graph_us_per_call(lambda t: dist.all_reduce(t, group=group),
+                                            x.clone(), args.replays)}
+        for kernel, reducer in reducers.items():
+            first = reducer(x)
+            row[f"{kernel}_us"] = graph_us_per_call(reducer, x, args.replays)
+            # equal on the first sum and after every replay (slots and flags reused)
+            row[f"{kernel}_equal"] = bool(torch.equal(first, nccl_sum)
+                                          and torch.equal(reducer(x), nccl_sum))
+            row[f"{kernel}_peer_missed"] = reducer.peer_missed()
+        row["equal"] = all(row[f"{kernel}_equal"] for kernel in KERNELS)
+        rows_out.append(row)
     if rank == 0:
         queue.put(rows_out)
     dist.barrier()
@@ -91,11 +98,11 @@ def main(argv: list[str] | None = None) -> None:
     mp.start_processes(run_rank, args=(args, free_port(), queue), nprocs=args.world_size,
                        start_method="spawn")
     rows = queue.get()
-    print("| rows | bytes | NCCL µs | peer-memory µs | speedup | equal |")
-    print("|---|---|---|---|---|---|")
+    print("| rows | bytes | NCCL µs | one-shot µs | push µs | push vs NCCL | equal to NCCL |")
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['rows']} | {r['bytes']} | {r['nccl_us']:.1f} | {r['symmetric_us']:.1f} | "
-              f"{r['nccl_us'] / r['symmetric_us']:.2f}x | {r['equal']} |")
+        print(f"| {r['rows']} | {r['bytes']} | {r['nccl_us']:.1f} | {r['one_shot_us']:.1f} | "
+              f"{r['push_us']:.1f} | {r['nccl_us'] / r['push_us']:.2f}x | {r['equal']} |")
     if args.output:
         with open(args.output, "w") as f:
             json.dump({"world_size": args.world_size, "rows": rows}, f,

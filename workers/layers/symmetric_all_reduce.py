@@ -1,16 +1,18 @@
-"""One-shot all-reduce through peer GPU memory, for the small sums of decode steps.
+"""All-reduce through peer GPU memory, for the small sums of decode steps.
 
 A decode step of a tensor-parallel model all-reduces two hidden-state rows per layer (attention
 and MLP outputs): 8 KB at batch 1 for an 8B model, 65 times a step. Inside a CUDA graph NCCL
-takes ~21 µs for each, this path 6.5 µs (cluster/bench/all_reduce.py, two H200s). Here each
-rank's partial sum is copied into a buffer every rank of the group has mapped (PyTorch
-symmetric memory over NVLink); one kernel then waits at a barrier, reads the peers' buffers,
-sums and writes the result: one launch, one hop.
+takes ~21 µs for each (cluster/bench/all_reduce.py, two H200s). Here every rank of the group
+maps one buffer of every other rank (PyTorch symmetric memory over NVLink) and one kernel does
+the sum, with one of two kernels (``TANDEM_PEER_SUM``):
 
-Only the peer-pointer kernel is used, never NVLink multicast (``multimem``): the copy-in, the
-barrier before the reads and the barrier after them are all inside
-``symm_mem::one_shot_all_reduce_copy``, so the one buffer is safe to reuse by the next call.
-Tensors larger than ``max_bytes``, other dtypes and CPU tensors go to NCCL.
+- ``push`` (the default, push_all_reduce.py): each rank writes its input into every rank's
+  buffer and raises a flag there; a rank sums once its peers' flags are up. One one-way trip.
+- ``one_shot``: PyTorch's ``symm_mem::one_shot_all_reduce_copy``: the copy-in, a barrier, the
+  peer reads and a closing barrier in one launch (6.5 µs for 8 KB); two round trips.
+
+Only peer pointers are used, never NVLink multicast (``multimem``). Tensors larger than
+``max_bytes``, other dtypes and CPU tensors go to NCCL.
 """
 
 import logging
@@ -21,43 +23,72 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from workers.layers.push_all_reduce import FLAGS_BYTES, buffer_bytes, new_counters, push_all_reduce
+
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_BYTES = 4 << 20  # decode batches up to 256 rows of 8192 bf16 values
-# the CUDA kernel is compiled for these dtypes only (no float16)
-SUPPORTED_DTYPES = (torch.bfloat16, torch.float32)
+KERNELS = ("push", "one_shot")
+ENV = "TANDEM_PEER_SUM"
+# PyTorch's one-shot kernel is compiled for these dtypes only (no float16)
+ONE_SHOT_DTYPES = (torch.bfloat16, torch.float32)
+
+
+def kernel_from_env() -> str:
+    kernel = os.environ.get(ENV, "push")
+    if kernel not in KERNELS:
+        raise ValueError(f"{ENV} must be one of {', '.join(KERNELS)}, got {kernel!r}")
+    return kernel
 
 
 class SymmetricAllReduce:
     def __init__(self, group: dist.ProcessGroup, device: torch.device,
-                 max_bytes: int = DEFAULT_MAX_BYTES) -> None:
+                 max_bytes: int = DEFAULT_MAX_BYTES, kernel: str | None = None) -> None:
         # no multicast object at the rendezvous: nothing here uses it, and on some hosts creating
         # one is unsafe (read by PyTorch when the first buffer is mapped)
         os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
         import torch.distributed._symmetric_memory as symm_mem
 
+        self.kernel = kernel or kernel_from_env()
+        if self.kernel not in KERNELS:
+            raise ValueError(f"kernel must be one of {', '.join(KERNELS)}, got {self.kernel!r}")
         self.group_name = group.group_name
         self.max_bytes = max_bytes
+        self.rank = dist.get_rank(group)
         if hasattr(symm_mem, "get_backend") and symm_mem.get_backend(device) is None:
             symm_mem.set_backend("CUDA")  # peer pointers through the CUDA driver, not NVSHMEM
         with warnings.catch_warnings():  # needed by older PyTorch; a deprecated no-op in 2.11
             warnings.simplefilter("ignore", FutureWarning)
             symm_mem.enable_symm_mem_for_group(self.group_name)
-        self.buffer = symm_mem.empty(max_bytes, dtype=torch.uint8, device=device)
-        symm_mem.rendezvous(self.buffer, group)  # collective: every rank maps every buffer
+        world = dist.get_world_size(group)
+        self.buffer = symm_mem.empty(buffer_bytes(world, max_bytes), dtype=torch.uint8,
+                                     device=device)
+        self.buffer[:FLAGS_BYTES].zero_()  # no flag raised yet
+        handle = symm_mem.rendezvous(self.buffer, group)  # collective: every rank maps every buffer
+        self.buffer_ptrs = torch.tensor(handle.buffer_ptrs, dtype=torch.int64, device=device)
+        self.uses = new_counters(device)
+        torch.cuda.synchronize(device)
+        dist.barrier(group)  # every rank's flags are zero before any rank raises one
 
     def fits(self, t: torch.Tensor) -> bool:
         nbytes = t.numel() * t.element_size()
-        return (t.is_cuda and t.dtype in SUPPORTED_DTYPES and t.is_contiguous()
+        dtype_ok = self.kernel == "push" or t.dtype in ONE_SHOT_DTYPES
+        return (t.is_cuda and dtype_ok and t.is_contiguous()
                 and 0 < nbytes <= self.max_bytes and nbytes % 4 == 0)
 
     def __call__(self, t: torch.Tensor) -> torch.Tensor:
         """The sum of t over the group, in a new tensor (t is left as it was)."""
+        if self.kernel == "push":
+            return push_all_reduce(t, self.buffer_ptrs, self.uses, self.rank, self.max_bytes)
         staging = self.buffer.view(t.dtype)[: t.numel()].view(t.shape)
         if not hasattr(torch.ops.symm_mem, "one_shot_all_reduce_copy"):  # PyTorch < 2.9
             staging.copy_(t)
             return torch.ops.symm_mem.one_shot_all_reduce(staging, "sum", self.group_name)
         return torch.ops.symm_mem.one_shot_all_reduce_copy(staging, t, "sum", self.group_name)
+
+    def peer_missed(self) -> bool:
+        """Whether a push sum ever gave up waiting for a peer (its result was then wrong)."""
+        return self.kernel == "push" and bool(self.uses[-1].item())
 
 
 def make_symmetric_all_reduce(group: dist.ProcessGroup, device: torch.device,
@@ -92,6 +123,8 @@ def _self_check(reducer: SymmetricAllReduce, group: dist.ProcessGroup,
     x = torch.full((8, 64), float(rank + 1), dtype=torch.float32, device=device)
     total = reducer(x)
     expected = size * (size + 1) / 2
+    if reducer.peer_missed():
+        raise RuntimeError("self-check sum: a peer's flag never came")
     if not bool((total == expected).all()):
         raise RuntimeError(f"self-check sum gave {total.flatten()[0].item()}, "
                            f"expected {expected}")
