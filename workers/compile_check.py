@@ -156,8 +156,6 @@ def compile_attention(zeros: Callable, heads: int, kv_heads: int, head_dim: int)
     for splits in (1, 2):  # one split and several take different tiles (default_tile)
         call(f"decode attention, {splits} split(s)", decode_attention, q, cache, cache, tables,
              lens, 0.1, splits)
-    call("decode attention, merged by a second kernel", decode_attention, q, cache, cache,
-         tables, lens, 0.1, 2, merge_in_kernel=False)
 
 
 def main() -> None:

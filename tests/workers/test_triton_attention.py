@@ -16,7 +16,6 @@ from workers.attention.triton_backend import TritonAttentionBackend  # noqa: E40
 from workers.attention.triton_decode import (  # noqa: E402
     choose_num_splits,
     decode_attention,
-    split_counters,
     default_tile,
 )
 from workers.attention.triton_store import store_kv  # noqa: E402
@@ -112,13 +111,10 @@ def test_decode_odd_group_and_head_dim():
     check_against_reference(batch, torch.float32)
 
 
-@pytest.mark.parametrize("merge_in_kernel", [True, False])
 @pytest.mark.parametrize("num_splits", [1, 3, 7])
-def test_decode_any_split_count_and_padding_row(num_splits, merge_in_kernel):
-    """Any split count gives the same answer (CUDA graphs fix it at capture), whether the last
-    split merges them or a second kernel does; a padding row with seq_len 0 yields zeros; more
-    splits than context leaves some splits empty. The merge counters are back to zero after
-    each launch, ready for the next."""
+def test_decode_any_split_count_and_padding_row(num_splits):
+    """Any split count gives the same answer (CUDA graphs fix it at capture); a padding row
+    with seq_len 0 yields zeros; more splits than context leaves some splits empty."""
     q, _, _, k_cache, v_cache, meta = make_batch([130, 9], [1, 1], 8, 2, 64, 8, torch.float32)
     scale = 0.125
     expected = paged_attention(q, k_cache, v_cache, meta, scale)
@@ -126,14 +122,12 @@ def test_decode_any_split_count_and_padding_row(num_splits, merge_in_kernel):
     padded_q = torch.cat([q, torch.randn((1, 8, 64))])  # (3, heads, head_dim)
     padded_tables = torch.cat([meta.block_tables, torch.zeros_like(meta.block_tables[:1])])
     padded_lens = torch.tensor([130, 9, 0], dtype=torch.int32)
-    for _ in range(2):
-        got = decode_attention(
-            padded_q, k_cache, v_cache, padded_tables, padded_lens, scale, num_splits,
-            merge_in_kernel=merge_in_kernel,
-        )
-        torch.testing.assert_close(got[:2], expected, atol=1e-4, rtol=1e-4)
-        assert not got[2].any()
-        assert not split_counters(padded_q.device).any()
+    got = decode_attention(
+        padded_q, k_cache, v_cache, padded_tables, padded_lens, scale, num_splits
+    )
+
+    torch.testing.assert_close(got[:2], expected, atol=1e-4, rtol=1e-4)
+    assert not got[2].any()
 
 
 @pytest.mark.parametrize("tile", [(32, 2, 3), (64, 4, 3), (128, 4, 2)])

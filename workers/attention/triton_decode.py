@@ -8,13 +8,8 @@ Flash-decoding in two kernels. The first runs one program per (sequence, kv head
 It loads each K/V row once for the whole GQA group: the group's query heads are the M
 dimension of ``tl.dot`` (padded to 16, the smallest tile the tensor cores take). It keeps an
 online softmax over its split and writes a partial result: the normalized output and its
-log-sum-exp. The partials of every split are then weighed by their log-sum-exp into the
-output, by the last program of a (sequence, kv head) to finish: each program counts itself in
-a per-(sequence, kv head) counter once its partial is stored, and the one that counts last
-merges them all and sets the counter back to zero for the next launch. A second launch for the
-merge cost ~2 µs a layer at batch 1 (W1, W7), more than the merge itself. With one split the
-first kernel writes the output directly; past COUNTERS (sequence, kv head) pairs a second
-kernel merges.
+log-sum-exp. The second kernel weighs the partials of every split by their log-sum-exp into
+the output. With one split the first kernel writes the output itself and the second is skipped.
 
 Grid and buffer shapes depend only on the batch size, the head counts and the number of
 splits, never on the values of ``seq_lens``, so a CUDA graph can capture both launches.
@@ -30,44 +25,6 @@ from workers.layers.pdl import launch_options, wait_for_inputs
 MIN_TOKENS_PER_SPLIT = 256  # below this the reduction costs more than the parallelism gains
 MAX_SPLITS = 32
 PROGRAMS_PER_SM = 2  # aim for this many first-kernel programs per SM before splitting stops
-COUNTERS = 1 << 16  # (sequence, kv head) pairs whose splits merge in the first kernel
-_counters: dict[torch.device, torch.Tensor] = {}
-
-
-def split_counters(device: torch.device) -> torch.Tensor:
-    """The merge counters of a device: zero between launches (the merging program resets its
-    own), so one buffer serves every layer, step and CUDA graph. Made at the first launch,
-    which an eager warm-up runs before any capture."""
-    if device not in _counters:
-        _counters[device] = torch.zeros(COUNTERS, dtype=torch.int32, device=device)
-    return _counters[device]
-
-
-@triton.jit
-def _merge_head(part_out_ptr, part_lse_ptr, out_ptr, part, o_offs,
-                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                BLOCK_S: tl.constexpr, CACHE: tl.constexpr):  # fmt: skip
-    """out[o_offs] = the splits' partials of one head (starting at index ``part``) weighed by
-    their log-sum-exp."""
-    offs_s = tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, BLOCK_D)
-    s_mask = offs_s < NUM_SPLITS
-    d_mask = offs_d < HEAD_DIM
-    lse = tl.load(part_lse_ptr + part + offs_s, mask=s_mask, other=float("-inf"),
-                  cache_modifier=CACHE)
-    lse_max = tl.max(lse, axis=0)
-    # all splits empty (seq_len 0): weights of exp2(-inf) = 0 and an output of zeros
-    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
-    weight = tl.exp2(lse - lse_max)  # (BLOCK_S,)
-    total = tl.sum(weight, axis=0)
-    parts = tl.load(
-        part_out_ptr + (part + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
-        mask=s_mask[:, None] & d_mask[None, :],
-        other=0.0,
-        cache_modifier=CACHE,
-    )  # (BLOCK_S, BLOCK_D)
-    out = tl.sum(parts * weight[:, None], axis=0) / tl.where(total == 0.0, 1.0, total)
-    tl.store(out_ptr + o_offs + offs_d, out.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
 # the block table's width changes from step to step: one compiled kernel for every width,
@@ -82,7 +39,6 @@ def _decode_split_kernel(
     out_ptr,  # (B, heads, head_dim): written only when NUM_SPLITS == 1
     part_out_ptr,  # (B, heads, NUM_SPLITS, head_dim) fp32
     part_lse_ptr,  # (B, heads, NUM_SPLITS) fp32, log2 units
-    counters_ptr,  # (B * kv_heads,) int32 zeros, when MERGE: splits finished so far
     scale_log2,  # softmax scale * log2(e): the kernel works with exp2
     stride_qt,
     stride_qh,
@@ -100,8 +56,6 @@ def _decode_split_kernel(
     BLOCK_N: tl.constexpr,  # context tokens per loop step
     NUM_SPLITS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    MERGE: tl.constexpr = False,  # the last split to finish merges them (NUM_SPLITS > 1)
-    BLOCK_S: tl.constexpr = 1,  # NUM_SPLITS padded to a power of two, when MERGE
     PDL: tl.constexpr = False,  # launched as a programmatic dependent (workers/layers/pdl.py)
 ):
     wait_for_inputs(PDL)  # q and this step's K/V come from the kernel before
@@ -162,20 +116,6 @@ def _decode_split_kernel(
         tl.store(part_out_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], out, mask=hd_mask)
         lse = tl.where(empty, float("-inf"), row_max + tl.log2(tl.where(empty, 1.0, row_sum)))
         tl.store(part_lse_ptr + part, lse, mask=h_mask)
-        if MERGE:
-            # every thread's partial stores come before the count (barrier, then acq_rel)
-            tl.debug_barrier()
-            counter = counters_ptr + seq * tl.num_programs(1) + kv_head
-            finished = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-            if finished == NUM_SPLITS - 1:  # the last one: every other partial is stored
-                tl.atomic_xchg(counter, 0)  # for the next launch (kernel order publishes it)
-                first_head = seq * tl.num_programs(1) * GROUP + kv_head * GROUP
-                for h in tl.static_range(GROUP):
-                    # .cg: the other programs' partials, from L2, not this SM's L1
-                    _merge_head(part_out_ptr, part_lse_ptr, out_ptr,
-                                (first_head + h) * NUM_SPLITS,
-                                seq * stride_ot + (kv_head * GROUP + h) * stride_oh,
-                                HEAD_DIM, BLOCK_D, NUM_SPLITS, BLOCK_S, ".cg")
 
 
 @triton.jit
@@ -194,9 +134,26 @@ def _decode_reduce_kernel(
     wait_for_inputs(PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
-    part = (seq * tl.num_programs(1) + head) * NUM_SPLITS
-    _merge_head(part_out_ptr, part_lse_ptr, out_ptr, part, seq * stride_ot + head * stride_oh,
-                HEAD_DIM, BLOCK_D, NUM_SPLITS, BLOCK_S, "")
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_mask = offs_s < NUM_SPLITS
+    d_mask = offs_d < HEAD_DIM
+    part = (seq * tl.num_programs(1) + head) * NUM_SPLITS + offs_s  # (BLOCK_S,)
+
+    lse = tl.load(part_lse_ptr + part, mask=s_mask, other=float("-inf"))
+    lse_max = tl.max(lse, axis=0)
+    # all splits empty (seq_len 0): weights of exp2(-inf) = 0 and an output of zeros
+    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
+    weight = tl.exp2(lse - lse_max)  # (BLOCK_S,)
+    total = tl.sum(weight, axis=0)
+    parts = tl.load(
+        part_out_ptr + part[:, None] * HEAD_DIM + offs_d[None, :],
+        mask=s_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )  # (BLOCK_S, BLOCK_D)
+    out = tl.sum(parts * weight[:, None], axis=0) / tl.where(total == 0.0, 1.0, total)
+    o_offs = seq * stride_ot + head * stride_oh + offs_d
+    tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
 def choose_num_splits(batch_size: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> int:
@@ -226,13 +183,11 @@ def decode_attention(
     num_splits: int,
     out: torch.Tensor | None = None,  # (B, heads, head_dim)
     tile: tuple[int, int, int] | None = None,  # (BLOCK_N, num_warps, num_stages)
-    merge_in_kernel: bool | None = None,  # None: whenever the counters cover the batch
 ) -> torch.Tensor:
     """Paged attention of one query token per sequence over its whole cached context.
 
     ``num_splits`` is the caller's choice (see ``choose_num_splits``); any value gives the same
     result, so a CUDA graph may fix it at capture time. ``tile`` defaults to ``default_tile``.
-    Split partials merge in the first kernel (``merge_in_kernel``) or in a second one.
     """
     block_n, num_warps, num_stages = tile or default_tile(num_splits)
     batch_size, num_heads, head_dim = q.shape
@@ -245,10 +200,6 @@ def decode_attention(
     if batch_size == 0:
         return out
     part_out, part_lse = out, out  # unused with one split: the first kernel writes `out`
-    if merge_in_kernel is None:
-        merge_in_kernel = batch_size * num_kv_heads <= COUNTERS
-    merge_in_kernel = merge_in_kernel and num_splits > 1
-    counters = split_counters(q.device) if merge_in_kernel else out
     if num_splits > 1:
         part_out = torch.empty(
             (batch_size, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device
@@ -266,7 +217,6 @@ def decode_attention(
         out,
         part_out,
         part_lse,
-        counters,
         scale * 1.4426950408889634,  # log2(e)
         q.stride(0),
         q.stride(1),
@@ -284,13 +234,11 @@ def decode_attention(
         BLOCK_N=block_n,
         NUM_SPLITS=num_splits,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        MERGE=merge_in_kernel,
-        BLOCK_S=triton.next_power_of_2(num_splits),
         num_warps=num_warps,
         num_stages=num_stages,
         **launch_options(),
     )
-    if num_splits > 1 and not merge_in_kernel:
+    if num_splits > 1:
         _decode_reduce_kernel[(batch_size, num_heads)](
             part_out,
             part_lse,
