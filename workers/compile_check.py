@@ -15,7 +15,6 @@ import inspect
 import os
 import sys
 from collections.abc import Callable
-from unittest import mock
 
 import torch
 
@@ -26,8 +25,6 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
-
-from workers.layers import pdl  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)  # H100 / H200
 TYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16",
@@ -53,7 +50,7 @@ class Compiler:
         self.done: dict[tuple, str] = {}
 
     def run(self, kernel: JITFunction, *args, grid, warmup, **kwargs) -> None:
-        launch = ("num_warps", "num_stages", "launch_pdl")
+        launch = ("num_warps", "num_stages")
         options = {key: kwargs.pop(key) for key in launch if key in kwargs}
         bound = inspect.signature(kernel.fn).bind(*args, **kwargs)
         bound.apply_defaults()
@@ -80,9 +77,8 @@ def call(what: str, wrapper: Callable, *args, **kwargs) -> None:
         raise SystemExit(f"{what}: {type(error).__name__}: {error}") from error
 
 
-def compile_all(with_pdl: bool = False) -> None:
-    """Each kernel's wrapper called as the models call it; ``with_pdl``: as they launch with
-    TANDEM_PDL_PREFETCH_CHUNKS set (workers/layers/pdl.py), for the first shape only."""
+def compile_all() -> None:
+    """Each kernel's wrapper called as the models call it."""
     from workers.greedy import greedy_tokens
     from workers.layers.fused_kernels import add_rms_norm, rms_norm, rotary_inplace, silu_and_mul
     from workers.layers.gemv import gemv, qkv_rotary_store
@@ -92,8 +88,6 @@ def compile_all(with_pdl: bool = False) -> None:
     # every shape in bfloat16; the other dtypes' kernels differ only in types, one shape each
     cases = [(torch.bfloat16, shape) for shape in shapes]
     cases += [(torch.float16, shapes[0]), (torch.float32, shapes[0])]
-    if with_pdl:
-        cases = cases[:1]
     for dtype, (hidden, heads, kv_heads, head_dim, inter) in cases:
         zeros = functools.partial(torch.zeros, dtype=dtype)  # zeros(*shape) in this dtype
 
@@ -124,8 +118,7 @@ def compile_all(with_pdl: bool = False) -> None:
         compile_attention(zeros, heads, kv_heads, head_dim)
     for vocab in (128256, 151936):  # Llama 3's and Qwen3's; the sampler's logits are float32
         call("greedy tokens", greedy_tokens, torch.zeros(1, vocab))
-    if not with_pdl:
-        compile_push_all_reduce()
+    compile_push_all_reduce()
 
 
 def compile_push_all_reduce() -> None:
@@ -164,10 +157,6 @@ def main() -> None:
     JITFunction.run = lambda self, *a, **k: compiler.run(self, *a, **k)  # type: ignore[method-assign]
     try:
         compile_all()
-        pdl.prefetch_chunks.cache_clear()
-        with mock.patch.dict(os.environ, {pdl.ENV: "2"}):
-            compile_all(with_pdl=True)
-        pdl.prefetch_chunks.cache_clear()
     finally:
         JITFunction.run = original  # type: ignore[method-assign]
     for line in sorted(compiler.done.values()):

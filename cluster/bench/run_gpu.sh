@@ -24,8 +24,3 @@ stage "W2 by step" ${STEPS_TIME:-90} python -m cluster.bench.step_times
 stage "attention" ${ATTN_TIME:-70} python -m workers.attention.bench_attention
 stage "decode attention tuning" ${TUNE_TIME:-150} python -m workers.attention.tune_decode
 stage "one-token projections" ${GEMV_TIME:-240} python -m workers.layers.tune_gemv
-stage "one-token projections, programmatic dependent launch" ${PDL_TIME:-90} python -m workers.layers.tune_gemv --pdl
-stage "gpu tests, PDL" ${TESTS_TIME:-90} env TANDEM_PDL_PREFETCH_CHUNKS=2 python -m pytest -q \
-  -p no:cacheprovider -m gpu tests/workers/test_cuda_graphs.py
-stage "W1 latency, PDL" ${W1_TIME:-110} env TANDEM_PDL_PREFETCH_CHUNKS=2 python -m cluster.bench \
-  latency --shape llama-3.2-1b --compare-backends --output "$OUT/w1-pdl.json"

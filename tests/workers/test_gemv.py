@@ -163,23 +163,3 @@ def test_only_fused_models_send_one_row_to_gemv(tiny_models):
     assert len(fused) == len(plain) > 0
     assert all(m.gemv_for_one_row for m in fused)
     assert not any(m.gemv_for_one_row for m in plain)
-
-
-def test_programmatic_launch_is_off_unless_asked(monkeypatch):
-    from workers.layers import pdl
-
-    def options(value, **kwargs):
-        monkeypatch.setenv(pdl.ENV, value)
-        pdl.prefetch_chunks.cache_clear()
-        try:
-            return pdl.launch_options(**kwargs)
-        finally:
-            pdl.prefetch_chunks.cache_clear()
-
-    assert options("") == {}
-    assert options("2") == {"PDL": True, "launch_pdl": True}
-    assert options("2", block_k=1024) == {"PDL": True, "launch_pdl": True,
-                                          "PREFETCH_CHUNKS": 2, "PREFETCH_STEP": 64}
-    assert options("", chunks=0, block_k=32)["PREFETCH_STEP"] == 32
-    with pytest.raises(ValueError, match="TANDEM_PDL_PREFETCH_CHUNKS must be a number of chunks"):
-        options("yes")

@@ -20,8 +20,6 @@ import torch
 import triton
 import triton.language as tl
 
-from workers.layers.pdl import launch_options, wait_for_inputs
-
 MIN_TOKENS_PER_SPLIT = 256  # below this the reduction costs more than the parallelism gains
 MAX_SPLITS = 32
 PROGRAMS_PER_SM = 2  # aim for this many first-kernel programs per SM before splitting stops
@@ -56,9 +54,7 @@ def _decode_split_kernel(
     BLOCK_N: tl.constexpr,  # context tokens per loop step
     NUM_SPLITS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    PDL: tl.constexpr = False,  # launched as a programmatic dependent (workers/layers/pdl.py)
 ):
-    wait_for_inputs(PDL)  # q and this step's K/V come from the kernel before
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -129,9 +125,7 @@ def _decode_reduce_kernel(
     BLOCK_D: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     BLOCK_S: tl.constexpr,  # NUM_SPLITS padded to a power of two
-    PDL: tl.constexpr = False,
 ):
-    wait_for_inputs(PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
@@ -236,7 +230,6 @@ def decode_attention(
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=num_warps,
         num_stages=num_stages,
-        **launch_options(),
     )
     if num_splits > 1:
         _decode_reduce_kernel[(batch_size, num_heads)](
@@ -249,6 +242,5 @@ def decode_attention(
             BLOCK_D=block_d,
             NUM_SPLITS=num_splits,
             BLOCK_S=triton.next_power_of_2(num_splits),
-            **launch_options(),
         )
     return out

@@ -10,8 +10,6 @@ import torch
 import triton
 import triton.language as tl
 
-from workers.layers.pdl import launch_options, wait_for_inputs
-
 
 @triton.jit
 def _rms_norm_kernel(
@@ -28,9 +26,7 @@ def _rms_norm_kernel(
     eps,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK_N: tl.constexpr,  # N padded to a power of two
-    PDL: tl.constexpr = False,  # launched as a programmatic dependent (workers/layers/pdl.py)
 ):
-    wait_for_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
     token, head = row // num_heads, row % num_heads
     offs = tl.arange(0, BLOCK_N)
@@ -75,7 +71,6 @@ def _launch_rms_norm(x, residual, weight, eps):
         eps,
         HAS_RESIDUAL=residual is not None,
         BLOCK_N=triton.next_power_of_2(n),
-        **launch_options(),
     )
     return out, residual_out
 

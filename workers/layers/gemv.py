@@ -26,8 +26,6 @@ import torch
 import triton
 import triton.language as tl
 
-from workers.layers.pdl import launch_options, prefetch_rows_then_wait
-
 
 @triton.jit
 def _normalized_chunk(
@@ -111,17 +109,11 @@ def _gemv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     ROW_BLOCK: tl.constexpr,  # K padded to a power of two: the norm's first pass in one load
-    PDL: tl.constexpr = False,  # launched as a programmatic dependent (workers/layers/pdl.py)
-    PREFETCH_CHUNKS: tl.constexpr = 0,  # with PDL: weight chunks pulled in before the wait
-    PREFETCH_STEP: tl.constexpr = 64,
 ):
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < N
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_w
-    if PDL:
-        prefetch_rows_then_wait(w_rows, row_mask, N * stride_w, K, SILU_MUL, PREFETCH_CHUNKS,
-                                BLOCK_K, PREFETCH_STEP)
     rstd = 0.0
     if NORM:
         rstd = _inverse_rms(x_ptr, residual_ptr, residual_out_ptr, K, eps, pid == 0,
@@ -167,9 +159,6 @@ def _qkv_rotary_kernel(
     BLOCK_N: tl.constexpr,  # rotary pairs a program: BLOCK_N rows from each half of one head
     BLOCK_K: tl.constexpr,
     ROW_BLOCK: tl.constexpr,
-    PDL: tl.constexpr = False,  # launched as a programmatic dependent (workers/layers/pdl.py)
-    PREFETCH_CHUNKS: tl.constexpr = 0,
-    PREFETCH_STEP: tl.constexpr = 64,
 ):
     """qkv = W @ RMSNorm(x [+ residual]), then rotary on q and k (neox: element i of a head
     turns with element i + HEAD_DIM / 2, so a program takes rows from both halves), q to
@@ -182,9 +171,6 @@ def _qkv_rotary_kernel(
     rows = head * HEAD_DIM + pair
     row_mask = pair < HALF
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_w
-    if PDL:
-        prefetch_rows_then_wait(w_rows, row_mask, HALF * stride_w, K, True, PREFETCH_CHUNKS,
-                                BLOCK_K, PREFETCH_STEP)
     rstd = _inverse_rms(x_ptr, residual_ptr, residual_out_ptr, K, eps, pid == 0, HAS_RESIDUAL,
                         ROW_BLOCK)
     first, second = _project_rows(x_ptr, residual_ptr, norm_weight_ptr, w_rows, row_mask,
@@ -248,15 +234,11 @@ def gemv(
     eps: float = 0.0,
     silu_mul: bool = False,
     config: tuple[int, int, int, int] | None = None,
-    pdl_prefetch_chunks: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(out, new residual): out = W @ x with the optional prologue and epilogue of the module
     docstring; the new residual is x + residual when one was given, else None.
 
     x is a single row: the caller takes this path only for decode steps of one sequence.
-    ``pdl_prefetch_chunks`` (GPU only): launch as a programmatic dependent of the kernel before,
-    prefetching that many weight chunks while it finishes; None follows TANDEM_PDL_PREFETCH_CHUNKS
-    (workers/layers/pdl.py), unset by default.
     """
     check_one_row(x, "gemv")
     k = x.shape[1]
@@ -293,7 +275,6 @@ def gemv(
         ROW_BLOCK=triton.next_power_of_2(k),
         num_warps=num_warps,
         num_stages=num_stages,
-        **launch_options(pdl_prefetch_chunks, block_k),
     )
     return out, residual_out
 
@@ -361,6 +342,5 @@ def qkv_rotary_store(
         ROW_BLOCK=triton.next_power_of_2(k),
         num_warps=num_warps,
         num_stages=num_stages,
-        **launch_options(block_k=block_k),
     )
     return q, residual_out

@@ -6,7 +6,7 @@ Each variant runs once per layer of the model, on that layer's own weight, all c
 CUDA graph (so kernel gaps count as in a real step), timed from a cold L2. Also checks that the
 fused kernel's output agrees with the unfused path.
 
-    python -m workers.layers.tune_gemv [--quick | --pdl]
+    python -m workers.layers.tune_gemv [--quick]
 """
 
 import argparse
@@ -50,27 +50,11 @@ def unfused(layer: dict, kind: str) -> torch.Tensor:
     return silu_and_mul(out) if kind == "norm+silu" else out
 
 
-def fused(layer: dict, kind: str, config, pdl: int | None = None) -> torch.Tensor:
+def fused(layer: dict, kind: str, config) -> torch.Tensor:
     if kind == "plain":
-        return gemv(layer["x"], layer["weight"], config=config, pdl_prefetch_chunks=pdl)[0]
+        return gemv(layer["x"], layer["weight"], config=config)[0]
     return gemv(layer["x"], layer["weight"], residual=layer["residual"], norm_weight=layer["norm"],
-                eps=1e-5, silu_mul=kind == "norm+silu", config=config, pdl_prefetch_chunks=pdl)[0]
-
-
-def pdl_chain(model: str, num_layers: int, projections: list) -> None:
-    """A model's projections back to back, layer after layer, in one graph: launched plainly,
-    then as programmatic dependents with 0-4 weight chunks prefetched before each waits."""
-    per_projection = [(make_layers(num_layers, rows, k, kind), kind)
-                      for _, rows, k, kind in projections]
-
-    def step(index: int, pdl: int | None) -> None:
-        for layers, kind in per_projection:
-            fused(layers[index], kind, None, pdl)
-
-    for pdl in (None, 0, 1, 2, 4):
-        layer_ms = graph_ms(lambda index, p=pdl: step(index, p), list(range(num_layers)))
-        label = "plain launches" if pdl is None else f"PDL, {pdl} chunk(s) prefetched"
-        print(f"  {model} chain, {label}: {layer_ms * 1e3:.1f} us a layer")
+                eps=1e-5, silu_mul=kind == "norm+silu", config=config)[0]
 
 
 def graph_ms(fn, layers: list[dict]) -> float:
@@ -87,14 +71,7 @@ def graph_ms(fn, layers: list[dict]) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="two configurations, not the sweep")
-    parser.add_argument("--pdl", action="store_true",
-                        help="only the chain of each model's projections, with and without "
-                        "programmatic dependent launch")
     args = parser.parse_args()
-    if args.pdl:
-        for model, (num_layers, projections) in MODELS.items():
-            pdl_chain(model, num_layers, projections)
-        return
     sweep = QUICK if args.quick else SWEEP
     configs = list(itertools.product(*sweep.values()))
     for model, (num_layers, projections) in MODELS.items():
