@@ -1,3 +1,8 @@
+# Before anything imports Triton: on a machine without CUDA this sets TRITON_INTERPRET=1, which
+# Triton reads once, when it and each kernel are defined (see tests/workers/triton_interpreter.py).
+# Here, at the root, so that no test module of any folder imports Triton before it is set.
+import tests.workers.triton_interpreter  # noqa: F401, I001
+
 import pytest
 
 from tests.tiny_models import SPECS, build_tiny_model

@@ -128,7 +128,7 @@ def compile_push_all_reduce() -> None:
     for world in (2, 4, 8):  # every rank compiles its own variant: rank 0 and the last
         ptrs = torch.zeros(world, dtype=torch.int64)
         for rank in (0, world - 1):
-            for dtype in (torch.bfloat16, torch.float32):
+            for dtype in (torch.bfloat16, torch.float16, torch.float32):
                 call(f"push all-reduce, rank {rank} of {world}", push_all_reduce,
                      torch.zeros(1, 4096, dtype=dtype), ptrs, uses, rank, 1 << 20)
 

@@ -1,5 +1,5 @@
 """Runs Triton kernels on the CPU. Importing this module on a machine without CUDA sets
-TRITON_INTERPRET=1; ``triton.jit`` reads it when a kernel is defined, so tests/workers/conftest.py
+TRITON_INTERPRET=1; ``triton.jit`` reads it when a kernel is defined, so tests/conftest.py
 imports this module before any test module imports a kernel. Test modules then import the
 module-scoped autouse fixture ``interpreter_fixes``::
 

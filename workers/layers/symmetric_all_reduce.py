@@ -23,8 +23,6 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from workers.layers.push_all_reduce import FLAGS_BYTES, buffer_bytes, new_counters, push_all_reduce
-
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_BYTES = 4 << 20  # decode batches up to 256 rows of 8192 bf16 values
@@ -48,6 +46,9 @@ class SymmetricAllReduce:
         # one is unsafe (read by PyTorch when the first buffer is mapped)
         os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
         import torch.distributed._symmetric_memory as symm_mem
+
+        # Triton only here, on GPUs: a CPU install may have none
+        from workers.layers.push_all_reduce import FLAGS_BYTES, buffer_bytes, new_counters
 
         self.kernel = kernel or kernel_from_env()
         if self.kernel not in KERNELS:
@@ -79,6 +80,8 @@ class SymmetricAllReduce:
     def __call__(self, t: torch.Tensor) -> torch.Tensor:
         """The sum of t over the group, in a new tensor (t is left as it was)."""
         if self.kernel == "push":
+            from workers.layers.push_all_reduce import push_all_reduce
+
             return push_all_reduce(t, self.buffer_ptrs, self.uses, self.rank, self.max_bytes)
         staging = self.buffer.view(t.dtype)[: t.numel()].view(t.shape)
         if not hasattr(torch.ops.symm_mem, "one_shot_all_reduce_copy"):  # PyTorch < 2.9
