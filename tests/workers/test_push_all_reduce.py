@@ -83,14 +83,16 @@ def test_a_peer_that_never_comes_sets_the_error_flag_instead_of_hanging():
     assert counters[0][:6].tolist() == [5, 4, 4, 4, 1, 0]
 
 
-def test_the_peer_memory_kernel_is_chosen_by_environment(monkeypatch):
-    from workers.layers.symmetric_all_reduce import ENV, kernel_from_env
+def test_the_peer_memory_kernel_is_chosen_by_argument_or_environment(monkeypatch):
+    from workers.layers.symmetric_all_reduce import ENV, choose_kernel
 
     monkeypatch.delenv(ENV, raising=False)
-    assert kernel_from_env() == "push"
+    assert choose_kernel() == "push"
     monkeypatch.setenv(ENV, "one_shot")
-    assert kernel_from_env() == "one_shot"
+    assert choose_kernel() == "one_shot"
+    assert choose_kernel("push") == "push"  # an argument wins
     monkeypatch.setenv(ENV, "ring")
-    message = "TANDEM_PEER_SUM must be one of push, one_shot, got 'ring'"
+    message = (r"the peer-memory sum kernel \(TANDEM_PEER_SUM\) must be one of push, one_shot, "
+               "got 'ring'")
     with pytest.raises(ValueError, match=message):
-        kernel_from_env()
+        choose_kernel()

@@ -32,11 +32,13 @@ ENV = "TANDEM_PEER_SUM"
 ONE_SHOT_DTYPES = (torch.bfloat16, torch.float32)
 
 
-def kernel_from_env() -> str:
-    kernel = os.environ.get(ENV, "push")
-    if kernel not in KERNELS:
-        raise ValueError(f"{ENV} must be one of {', '.join(KERNELS)}, got {kernel!r}")
-    return kernel
+def choose_kernel(kernel: str | None = None) -> str:
+    """``kernel``, else $TANDEM_PEER_SUM, else push; a clear error for any other name."""
+    choice = kernel or os.environ.get(ENV, "push")
+    if choice not in KERNELS:
+        raise ValueError(f"the peer-memory sum kernel ({ENV}) must be one of "
+                         f"{', '.join(KERNELS)}, got {choice!r}")
+    return choice
 
 
 class SymmetricAllReduce:
@@ -50,9 +52,7 @@ class SymmetricAllReduce:
         # Triton only here, on GPUs: a CPU install may have none
         from workers.layers.push_all_reduce import FLAGS_BYTES, buffer_bytes, new_counters
 
-        self.kernel = kernel or kernel_from_env()
-        if self.kernel not in KERNELS:
-            raise ValueError(f"kernel must be one of {', '.join(KERNELS)}, got {self.kernel!r}")
+        self.kernel = choose_kernel(kernel)
         self.group_name = group.group_name
         self.max_bytes = max_bytes
         self.rank = dist.get_rank(group)
