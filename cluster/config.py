@@ -26,6 +26,9 @@ class EngineConfig:
     # decode steps one call to the workers may run back to back when every request decodes
     # (no host round trip between them); 0: auto, 8 on a GPU and 1 on the CPU
     decode_steps: int = 0
+    # multi-step calls also run the next call's first step while the host reads this call's
+    # tokens and schedules the next (router/scheduler.py); experimental, not yet measured
+    decode_lookahead: bool = False
     cpu_kv_cache_gb: float = 1.0
     gpu_memory_utilization: float = 0.9
     tensor_parallel_size: int = 1

@@ -73,6 +73,7 @@ class LLMEngine:
         self.scheduler = Scheduler(SchedulerConfig(
             self.max_model_len, config.max_num_batched_tokens, config.max_num_seqs,
             config.max_prefill_chunk, decode_steps=config.resolved_decode_steps,
+            decode_lookahead=config.decode_lookahead,
         ), kv)
         self.step_builder = StepBuilder()
         self.requests: dict[str, RequestTracker] = {}

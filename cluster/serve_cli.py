@@ -42,11 +42,15 @@ def add_serve_command(subparsers: argparse._SubParsersAction) -> None:
         parser.add_argument(flag, dest=field, type=kind, help=help_text)
     parser.add_argument("--no-prefix-caching", dest="enable_prefix_caching",
                         action="store_false", default=None, help="turn the prefix cache off")
+    parser.add_argument("--decode-lookahead", dest="decode_lookahead", action="store_true",
+                        default=None, help="multi-step calls also run the next call's first "
+                        "step (experimental)")
     parser.set_defaults(handler=serve_command)
 
 
 def serve_command(args: argparse.Namespace) -> int:
-    fields = [field for field, _, _ in FLAGS.values()] + ["enable_prefix_caching"]
+    fields = [field for field, _, _ in FLAGS.values()] + ["enable_prefix_caching",
+                                                          "decode_lookahead"]
     values = {f: getattr(args, f) for f in fields if getattr(args, f) is not None}
     config = load_config(values, names={field: flag for flag, (field, _, _) in FLAGS.items()})
     check_port_free(config)

@@ -49,6 +49,9 @@ class ServeConfig(BaseModel):
     enable_prefix_caching: bool = Field(True, description="Share KV blocks of equal prefixes.")
     decode_steps: int = Field(0, ge=0, le=64, description="Decode steps per call to the workers "
                               "when every request decodes; 0: auto (8 on a GPU, 1 on the CPU).")
+    decode_lookahead: bool = Field(False, description="Multi-step calls also run the next "
+                                   "call's first step while the host schedules it "
+                                   "(experimental).")
     seed: int = Field(0, description="Seed of the engines' random state.")
 
     @property
@@ -82,7 +85,8 @@ class ServeConfig(BaseModel):
             max_model_len=self.max_model_len, enable_prefix_caching=self.enable_prefix_caching,
             tensor_parallel_size=self.tensor_parallel_size,
             distributed_executor_backend="ray" if self.tensor_parallel_size > 1 else "uni",
-            decode_steps=self.decode_steps, seed=self.seed,
+            decode_steps=self.decode_steps, decode_lookahead=self.decode_lookahead,
+            seed=self.seed,
         )
 
     def curl_example(self) -> str:

@@ -42,4 +42,5 @@ class StepBuilder:
             scheduled.append(ScheduledRequest(
                 request_id, seq.num_computed_tokens, item.num_new_tokens, new_tokens, new_blocks
             ))
-        return StepInput(new_requests, scheduled, list(output.released_ids), output.num_steps)
+        return StepInput(new_requests, scheduled, list(output.released_ids), output.num_steps,
+                         output.lookahead)

@@ -11,6 +11,13 @@ several decode steps back to back (``decode_steps``): the device feeds each step
 the one before, so the host's per-step work (this scheduler, the step message, reading tokens)
 is paid once per call instead of once per token. Stops found inside a call drop the tokens
 after them.
+
+Such a call may also ask for one lookahead step (``decode_lookahead``): when every sequence
+certainly goes on past the call (none reaches its ``max_tokens`` or the model's length in it),
+the workers run the first step of the next call as well, into a slot allocated here, while the
+host reads this call's tokens and schedules the next; the next call starts from it if it
+schedules the same sequences at the same positions, else it is dropped (its K/V lies in the
+sequence's own slot and is written again when that position is computed).
 """
 
 import time
@@ -31,6 +38,7 @@ class SchedulerConfig:
     max_prefill_chunk: int = 0  # at most this many tokens of one sequence per step; 0 = budget
     num_lookahead_tokens: int = 0  # extra slots for speculative tokens after a decode
     decode_steps: int = 1  # decode steps one call may run back to back (see the module doc)
+    decode_lookahead: bool = False  # multi-step calls also run the next call's first step
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:
@@ -56,6 +64,7 @@ class SchedulerOutput:
     # sequences the workers knew that are gone (finished, aborted, preempted): drop their state
     released_ids: list[str] = field(default_factory=list)
     num_steps: int = 1  # > 1: every scheduled sequence decodes this many tokens in one call
+    lookahead: bool = False  # and one step more, the next call's first (a slot is allocated)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -83,16 +92,19 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> SchedulerOutput:
-        output = SchedulerOutput(num_steps=self._num_decode_steps())
+        output = SchedulerOutput()
+        output.num_steps, output.lookahead = self._num_decode_steps()
         budget = self._schedule_running(output, self.config.max_num_batched_tokens)
         if not output.preempted_ids:  # memory is short: admit nobody new this step
             self._schedule_waiting(output, budget)
         output.released_ids, self._released = self._released, []
         return output
 
-    def _num_decode_steps(self) -> int:
-        """``decode_steps`` when every running sequence decodes, none samples from its history
-        (penalties), nobody waits and the pool holds every slot ahead; otherwise 1.
+    def _num_decode_steps(self) -> tuple[int, bool]:
+        """(steps, lookahead): ``decode_steps`` when every running sequence decodes, none
+        samples from its history (penalties), nobody waits and the pool holds every slot ahead;
+        otherwise 1. The lookahead step (module doc) when it is on, the call has several steps,
+        every sequence outlives the call and the pool also holds the lookahead's slots.
 
         A sequence that reaches its ``max_tokens`` inside a call has its later tokens dropped:
         its row costs nothing extra in a batch that runs anyway, where capping the call by the
@@ -103,22 +115,34 @@ class Scheduler:
         if steps == 1 or self.waiting or not running or (
             len(running) > self.config.max_num_batched_tokens
         ):
-            return 1
-        needed = 1
+            return 1, False
+        needed = 1  # the most tokens any sequence wants
+        shortest = self.config.max_model_len  # the fewest any sequence may still get
         for seq in running:
             if seq.num_tokens - seq.num_computed_tokens != 1 or seq.params.uses_history:
-                return 1
-            needed = max(needed, seq.params.max_tokens - seq.num_output_tokens)
-            steps = min(steps, self.config.max_model_len - seq.num_tokens)
+                return 1, False
+            wanted = seq.params.max_tokens - seq.num_output_tokens
+            room = self.config.max_model_len - seq.num_tokens
+            needed = max(needed, wanted)
+            shortest = min(shortest, wanted, room)
+            steps = min(steps, room)
         steps = max(1, min(steps, needed))
-        grow = self.kv.num_blocks_to_grow
-        num_needed = sum(grow(seq.request_id, seq.num_computed_tokens + steps) for seq in running)
-        return steps if num_needed <= self.kv.num_free_blocks else 1
+        lookahead = self.config.decode_lookahead and steps > 1 and shortest > steps
+        grow, free = self.kv.num_blocks_to_grow, self.kv.num_free_blocks
+        slots = steps + lookahead
+        if sum(grow(seq.request_id, seq.num_computed_tokens + slots) for seq in running) <= free:
+            return steps, lookahead
+        if lookahead and sum(grow(seq.request_id, seq.num_computed_tokens + steps)
+                             for seq in running) <= free:
+            return steps, False
+        return 1, False
 
     def _schedule_running(self, output: SchedulerOutput, budget: int) -> int:
         chunk = self.config.max_prefill_chunk
-        # the slots of every step of the call after the first, or the speculative ones
-        lookahead_len = max(self.config.num_lookahead_tokens, output.num_steps - 1)
+        # the slots of every step of the call after the first (and of the lookahead step), or
+        # the speculative ones
+        lookahead_len = max(self.config.num_lookahead_tokens,
+                            output.num_steps - 1 + output.lookahead)
         allocate, scheduled = self.kv.allocate_slots, output.scheduled
         index = 0
         while index < len(self.running) and budget > 0:

@@ -38,6 +38,9 @@ class StepInput:
     # > 1: a pure-decode batch runs this many steps back to back on the device, each fed the
     # tokens the one before it sampled, with one read of all of them at the end
     num_steps: int = 1
+    # with num_steps > 1: run the next call's first step too, into the slot allocated after
+    # this call's (router/scheduler.py); kept for the next call if it continues from there
+    lookahead: bool = False
 
 
 TokenLogprobs = list[tuple[int, float]]  # [(token_id, logprob), ...]: sampled token, then top-n

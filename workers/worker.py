@@ -6,6 +6,7 @@ The same class runs in the engine's process (one device) and inside a Ray actor 
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from workers.attention.reference import ReferenceAttentionBackend
@@ -51,6 +52,20 @@ class WorkerConfig:
         return DTYPES[self.dtype]
 
 
+@dataclass
+class Lookahead:
+    """The first step of the next call, run at the end of this one (``StepInput.lookahead``)."""
+
+    request_ids: list[str]
+    positions: np.ndarray  # (B,) the positions its inputs took
+    tokens: torch.Tensor  # (B,) on the device: its samples, every rank
+    output: SamplerOutput | None  # the driver's; None on other ranks
+
+    def continued_by(self, rows: DecodeRows) -> bool:
+        return rows.request_ids == self.request_ids and np.array_equal(rows.positions,
+                                                                       self.positions)
+
+
 def make_attention_backend(name: str, device: torch.device):
     if name == "auto":
         name = "triton" if device.type == "cuda" else "reference"
@@ -81,6 +96,7 @@ class Worker:
         self.states: dict[str, RequestState] = {}
         self.kv_caches: KVCaches = []
         self.graphs = None  # DecodeGraphs once captured (GPU, Triton; every rank or none)
+        self.lookahead: Lookahead | None = None  # the next call's first step, already run
         self.uses_graphs = (self.device.type == "cuda" and not config.enforce_eager
                             and backend.name == "triton")
 
@@ -154,6 +170,7 @@ class Worker:
         """Runs one step (``num_steps`` decode steps when asked); the driver (rank 0) returns
         the sampled tokens, other ranks None."""
         self._use_device()
+        lookahead, self.lookahead = self.lookahead, None  # good for the very next call only
         for request_id in step.released_ids:
             self.states.pop(request_id, None)
         for request in step.new_requests:
@@ -163,7 +180,8 @@ class Worker:
         if not step.scheduled:
             return StepOutput([], []) if self.is_driver else None
         if step.num_steps > 1:
-            return self._execute_decode_steps(step.scheduled, step.num_steps)
+            return self._execute_decode_steps(step.scheduled, step.num_steps, step.lookahead,
+                                              lookahead)
         if self.graphs is not None:
             rows = build_decode_rows(step.scheduled, self.states, self.config.block_size)
             hidden = self.graphs.run(rows) if rows is not None else None
@@ -176,31 +194,64 @@ class Worker:
             return StepOutput([], []) if self.is_driver else None
         return self._sample_and_read(batch.sample_request_ids, hidden[batch.sample_indices])
 
-    def _execute_decode_steps(self, scheduled: list[ScheduledRequest],
-                              num_steps: int) -> StepOutput | None:
+    def _execute_decode_steps(self, scheduled: list[ScheduledRequest], num_steps: int,
+                              run_lookahead: bool = False,
+                              previous: Lookahead | None = None) -> StepOutput | None:
         """``num_steps`` decode steps back to back. Each step's input tokens are the ones the
         step before sampled, handed over on the device (broadcast from rank 0 under tensor
         parallelism), so the host queues step after step without waiting for any, and reads
-        every token once at the end. The scheduler has allocated the slots of all of them."""
+        every token once at the end. The scheduler has allocated the slots of all of them.
+
+        With ``run_lookahead`` one step more runs after them, the next call's first, kept in
+        ``self.lookahead``: it is on the device while the host reads this call's tokens and
+        schedules the next. A call that continues exactly from ``previous`` (the same
+        sequences at its positions; their inputs are then the tokens it was fed) takes it as
+        its first step instead of running it again."""
         first = build_decode_rows(scheduled, self.states, self.config.block_size)
         if first is None:
             raise ValueError("num_steps > 1 needs a step where every sequence decodes")
         if any(self.states[r].spec.uses_history for r in first.request_ids):
             raise ValueError("num_steps > 1 cannot apply penalties: they need every token")
+        if run_lookahead:
+            self._check_lookahead_slots(first, num_steps)
         tokens: torch.Tensor | None = None  # (B,) on the device: the last step's samples
         outputs: list[SamplerOutput] = []
-        for index in range(num_steps):
+        start = 0
+        if previous is not None and previous.continued_by(first):
+            tokens, start = previous.tokens, 1
+            if previous.output is not None:
+                outputs.append(previous.output)
+        total = num_steps + 1 if run_lookahead else num_steps
+        for index in range(start, total):
             rows = first.advanced(index, self.config.block_size) if index else first
             logits = self.model.compute_logits(self._forward_decode(rows, tokens))  # collective
             if self.is_driver:
                 outputs.append(self._sample(rows.request_ids, logits, offset=index))
                 tokens = outputs[-1].token_ids
-            if self.tp.size > 1 and index + 1 < num_steps:
-                if tokens is None:
-                    tokens = torch.empty(len(rows.request_ids), dtype=torch.int64,
-                                         device=self.device)
-                tokens = self.tp.broadcast(tokens, src=0)
+            # every rank feeds the next step (the lookahead's: the next call's second)
+            if index + 1 < total or run_lookahead:
+                tokens = self._from_driver(tokens, len(rows.request_ids))
+        if run_lookahead:
+            assert tokens is not None
+            self.lookahead = Lookahead(first.request_ids, first.positions + num_steps, tokens,
+                                       outputs.pop() if self.is_driver else None)
         return self._read(first.request_ids, outputs) if self.is_driver else None
+
+    def _from_driver(self, tokens: torch.Tensor | None, count: int) -> torch.Tensor | None:
+        """Rank 0's sampled tokens, on every rank (a broadcast under tensor parallelism)."""
+        if self.tp.size == 1:
+            return tokens
+        if tokens is None:
+            tokens = torch.empty(count, dtype=torch.int64, device=self.device)
+        return self.tp.broadcast(tokens, src=0)
+
+    def _check_lookahead_slots(self, first: DecodeRows, num_steps: int) -> None:
+        """The lookahead's K/V goes into a slot the scheduler allocated to the same sequence;
+        a row without one would write into another sequence's block."""
+        blocks = (first.positions + num_steps) // self.config.block_size
+        for request_id, block in zip(first.request_ids, blocks.tolist(), strict=True):
+            if block >= len(self.states[request_id].block_ids):
+                raise ValueError(f"no slot allocated for the lookahead step of '{request_id}'")
 
     def _forward_decode(self, rows: DecodeRows, input_ids: torch.Tensor | None) -> torch.Tensor:
         if self.graphs is not None:

@@ -3,6 +3,7 @@
 # with direct ingress (RAY_SERVE_THROUGHPUT_OPTIMIZED: the ingress serves HTTP itself).
 # Needs Ray and pydantic: on the GPU machine, `source .kit/on-device.sh` first.
 # Usage: OUT=<folder> W3_VARIANTS="4 0;8 1" bash cluster/bench/run_gpu_serve.sh
+#   W3_ARGS: more arguments for every variant, e.g. W3_ARGS=--decode-lookahead
 #   each variant is "<ingress replicas> <throughput-optimized 0|1>" and has W3_TIME seconds; on a
 #   fresh machine one variant takes ~2 minutes (the first also builds the model), so keep a
 #   call's variants within its time limit.
@@ -17,6 +18,6 @@ for variant in "${variants[@]}"; do
   echo "== W3, $ingress ingress replica(s), throughput-optimized Serve: $optimized" | tee -a "$LOG"
   RAY_SERVE_THROUGHPUT_OPTIMIZED=$optimized timeout "${W3_TIME:-200}" python -m cluster.bench \
     serve --shape llama-3.2-1b --concurrency "${W3_CONCURRENCY:-1,32}" \
-    --ingress-replicas "$ingress" --output "$OUT/w3-ingress$ingress-opt$optimized.json" \
+    --ingress-replicas "$ingress" ${W3_ARGS:-} --output "$OUT/w3-ingress$ingress-opt$optimized.json" \
     2>>"$ERR" | grep "^|" | tee -a "$LOG"
 done

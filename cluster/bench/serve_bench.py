@@ -188,6 +188,8 @@ def add_serve_bench_parser(workloads: argparse._SubParsersAction) -> None:
                         "auto: 4 on a GPU, 1 on the CPU)")
     parser.add_argument("--max-num-seqs", type=int, default=128)
     parser.add_argument("--num-kv-blocks", type=int)
+    parser.add_argument("--decode-lookahead", action="store_true",
+                        help="multi-step calls also run the next call's first step")
     parser.add_argument("--input-len", type=int, default=1024)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--concurrency", default="1,8,32,128",
@@ -240,6 +242,7 @@ async def _serve_bench(args: argparse.Namespace, loads: list[Load]) -> int:
         "ingress_replicas": args.ingress_replicas,
         "max_num_seqs": args.max_num_seqs, "num_kv_blocks": args.num_kv_blocks,
         "max_model_len": args.input_len + args.output_len + 16, "api_key": None,
+        "decode_lookahead": args.decode_lookahead,
     })
     ray.init(include_dashboard=False, ignore_reinit_error=True)
     print("in-process: TandemCluster.generate, no HTTP")

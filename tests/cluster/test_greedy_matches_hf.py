@@ -86,3 +86,76 @@ def test_several_decode_steps_per_call(tiny_models, expected, name):
     llm, tokens = generate(tiny_models[name], num_kv_blocks=256, decode_steps=5)
     assert tokens == expected[name]
     assert llm.stats().kv_blocks_used == 0
+
+
+def generate_counting(folder, **engine_args):
+    """(tokens, rows sampled by the worker, calls that looked ahead, the LLM)."""
+    llm = LLM(str(folder), device="cpu", dtype="float32", block_size=4, num_kv_blocks=256,
+              **engine_args)
+    worker = llm.engine.executor.worker
+    rows, lookaheads = [], []
+    compute_logits, execute = worker.model.compute_logits, worker.execute
+
+    def counting_logits(hidden):
+        rows.append(hidden.shape[0])
+        return compute_logits(hidden)
+
+    def counting_execute(step):
+        lookaheads.append(step.lookahead)
+        return execute(step)
+
+    worker.model.compute_logits, worker.execute = counting_logits, counting_execute
+    tokens = [out.token_ids for out in llm.generate(PROMPTS, GREEDY)]
+    return tokens, sum(rows), sum(lookaheads), llm
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3"])
+def test_lookahead_steps_start_the_next_call(tiny_models, expected, name):
+    """Multi-step calls that also run the next call's first step: the same tokens, and each
+    such step is taken up by the next call, not run again (as many rows sampled as without)."""
+    tokens, rows, lookaheads, llm = generate_counting(tiny_models[name], decode_steps=5,
+                                                      decode_lookahead=True)
+    plain_tokens, plain_rows, plain_lookaheads, _ = generate_counting(tiny_models[name],
+                                                                      decode_steps=5)
+    assert tokens == plain_tokens == expected[name]
+    # 5-step calls at 3, 8 and 13 tokens look ahead; the one at 18 ends the requests
+    assert (lookaheads, plain_lookaheads) == (3, 0)
+    assert rows == plain_rows
+    assert llm.engine.executor.worker.lookahead is None  # the last call looked ahead of nobody
+    assert llm.stats().kv_blocks_used == 0
+    llm.engine.scheduler.kv.check_integrity()
+
+def test_a_lookahead_is_dropped_when_the_batch_changes(tiny_models, expected):
+    """A request arriving after a call that looked ahead: the next call is not its
+    continuation (a prefill joins), so the lookahead's row is thrown away and computed again;
+    tokens stay those of transformers for both requests."""
+    from cluster.config import EngineConfig
+    from cluster.engine import LLMEngine
+
+    def run(lookahead: bool):
+        engine = LLMEngine(EngineConfig(model=str(tiny_models["llama"]), device="cpu",
+                                        dtype="float32", block_size=4, num_kv_blocks=256,
+                                        decode_steps=5, decode_lookahead=lookahead))
+        worker, rows = engine.executor.worker, []
+        compute_logits = worker.model.compute_logits
+        worker.model.compute_logits = lambda h: rows.append(h.shape[0]) or compute_logits(h)
+        tokens: dict[str, list[int]] = {}
+
+        def step():
+            for out in engine.step():
+                tokens[out.request_id] = out.outputs[0].token_ids
+
+        first = engine.add_request(PROMPTS[1], GREEDY)
+        for _ in range(3):  # the prefill, then two 5-step calls
+            step()
+        pending = worker.lookahead is not None
+        second = engine.add_request(PROMPTS[3], GREEDY)
+        while engine.has_unfinished():
+            step()
+        return [tokens[first], tokens[second]], sum(rows), pending
+
+    tokens, rows, pending = run(True)
+    plain_tokens, plain_rows, _ = run(False)
+    assert pending  # the second call had looked ahead when the request came
+    assert tokens == plain_tokens == [expected["llama"][1], expected["llama"][3]]
+    assert rows == plain_rows + 1  # the dropped lookahead row

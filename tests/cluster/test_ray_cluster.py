@@ -24,13 +24,14 @@ def hf_greedy(folder, prompts, max_tokens=12):
             for p in prompts]
 
 
-# vocabularies 1001 and 1003: odd; decode_steps 3 hands sampled tokens to rank 1 by broadcast
+# vocabularies 1001 and 1003: odd; decode_steps 3 hands sampled tokens to rank 1 by broadcast,
+# and with the lookahead step every rank keeps its tokens for the next call
 @pytest.mark.parametrize(("name", "decode_steps"), [("llama", 1), ("qwen3", 3)])
 def test_tensor_parallel_2_over_ray_matches_transformers(ray_session, tiny_models, name,
                                                          decode_steps):
     llm = LLM(str(tiny_models[name]), device="cpu", block_size=4, num_kv_blocks=64,
               tensor_parallel_size=2, distributed_executor_backend="ray",
-              decode_steps=decode_steps)
+              decode_steps=decode_steps, decode_lookahead=decode_steps > 1)
     try:
         outputs = llm.generate(PROMPTS, GREEDY)
         assert [out.token_ids for out in outputs] == hf_greedy(tiny_models[name], PROMPTS)

@@ -48,8 +48,10 @@ def test_stop_string_is_cut_from_the_text(llm):
 
 
 def test_several_decode_steps_per_call_keep_text_stops_and_logprobs(llm):
+    """Multi-step calls that also look ahead one step give one-step-a-call's text, stops,
+    seeded samples and logprobs."""
     multi = LLM(DEFAULT_MODEL, device="cpu", dtype="float32", block_size=16, num_kv_blocks=256,
-                decode_steps=6)
+                decode_steps=6, decode_lookahead=True)
     conversations = [[{"role": "user", "content": q}] for q in QUESTIONS]
     results = []
     for params in [SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, stop=["is Paris"]),

@@ -84,3 +84,50 @@ def test_one_step_when_someone_waits_samples_with_penalties_or_the_pool_is_short
     sched = make(max_model_len=9)
     prefill(sched, seq("a", 6))
     assert sched.schedule().num_steps == 2  # the model's length allows 2 more tokens
+
+
+def make_lookahead(num_blocks=16, decode_steps=4, max_model_len=64):
+    config = SchedulerConfig(max_model_len, 64, 8, decode_steps=decode_steps,
+                             decode_lookahead=True)
+    return Scheduler(config, KVCacheManager(num_blocks, 4))
+
+
+def test_a_lookahead_step_gets_the_slot_after_the_call():
+    sched = make_lookahead()
+    a, c = seq("a", 6), seq("c", 4, first=30)
+    prefill(sched, a, c)  # a: 7 tokens, 6 computed in blocks 0, 1; c: 5, 4 computed in block 2
+    output = sched.schedule()
+    assert (output.num_steps, output.lookahead) == (4, True)
+    # a computes positions 6..9 and looks ahead to 10: block 3 (8..11) holds 8..10;
+    # c computes 4..7 (block 4) and looks ahead to 8: a block of its own, 5
+    assert [(s.seq.request_id, s.new_block_ids) for s in output.scheduled] == [
+        ("a", [3]), ("c", [4, 5])]
+    sched.update(output, {"a": [1, 2, 3, 4], "c": [5, 6, 7, 8]})
+    # the next call starts at the lookahead's slot, already allocated
+    output = sched.schedule()
+    assert (output.num_steps, output.lookahead) == (4, True)
+    assert [(s.seq.request_id, s.new_block_ids) for s in output.scheduled] == [
+        ("a", [6]), ("c", [7])]
+    sched.kv.check_integrity()
+
+
+def test_no_lookahead_when_a_sequence_may_end_in_the_call_or_the_pool_is_short():
+    sched = make_lookahead()
+    prefill(sched, seq("a", 6, max_tokens=5), seq("b", 3, first=50))
+    output = sched.schedule()  # a wants 4 more tokens: the call may be its last
+    assert (output.num_steps, output.lookahead) == (4, False)
+
+    sched = make_lookahead(max_model_len=11)
+    prefill(sched, seq("a", 6))  # 7 tokens: the model's length leaves room for 4
+    assert (sched.schedule().num_steps, sched.schedule().lookahead) == (4, False)
+
+    # 4 computed tokens in block 0: 4 steps fill block 1, their lookahead would need a third
+    sched = make_lookahead(num_blocks=2)
+    prefill(sched, seq("c", 4))
+    output = sched.schedule()
+    assert (output.num_steps, output.lookahead) == (4, False)
+    assert [s.new_block_ids for s in output.scheduled] == [[1]]
+
+    sched = make()  # off unless asked
+    prefill(sched, seq("a", 6))
+    assert sched.schedule().lookahead is False

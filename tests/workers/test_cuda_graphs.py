@@ -78,7 +78,7 @@ def test_pack_padded_reuses_a_buffer_without_stale_rows():
 @pytest.mark.gpu
 def test_graph_replay_and_decode_steps_match_eager(tiny_models):
     """Eager one step a call = graphs one step a call = graphs 8 steps a call (tokens fed on
-    the device), greedy and seeded sampling alike."""
+    the device) = the same with the lookahead step, greedy and seeded sampling alike."""
     from cluster.llm import LLM
     from router.sampling_params import SamplingParams
 
@@ -86,13 +86,16 @@ def test_graph_replay_and_decode_steps_match_eager(tiny_models):
     greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     seeded = SamplingParams(temperature=0.9, top_p=0.9, seed=5, max_tokens=24, ignore_eos=True)
     outs = {}
-    for eager, steps in [(True, 1), (False, 1), (False, 8)]:
+    for eager, steps, lookahead in [(True, 1, False), (False, 1, False), (False, 8, False),
+                                    (False, 8, True)]:
         llm = LLM(model=str(tiny_models["llama"]), device="cuda", dtype="float32",
-                  num_kv_blocks=64, enforce_eager=eager, max_num_seqs=8, decode_steps=steps)
+                  num_kv_blocks=64, enforce_eager=eager, max_num_seqs=8, decode_steps=steps,
+                  decode_lookahead=lookahead)
         assert (llm.engine.executor.worker.graphs is None) == eager
-        outs[eager, steps] = [[o.token_ids for o in llm.generate(prompts, params)]
-                              for params in (greedy, seeded)]
-    assert outs[True, 1] == outs[False, 1] == outs[False, 8]
+        outs[eager, steps, lookahead] = [[o.token_ids for o in llm.generate(prompts, params)]
+                                         for params in (greedy, seeded)]
+    assert (outs[True, 1, False] == outs[False, 1, False] == outs[False, 8, False]
+            == outs[False, 8, True])
 
 
 def test_collective_capture_problem():

@@ -20,11 +20,13 @@ def test_tensor_parallel_graph_replay_matches_eager(ray_session, tiny_models):
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     outs = {}
     # eager one step a call; graphs 8 steps a call (rank 0 broadcasts each step's tokens)
+    # the last with the lookahead step (tokens kept on every rank for the next call)
     for eager, steps, symmetric in [(True, 1, False), (False, 8, False), (False, 8, True)]:
         llm = LLM(model=str(tiny_models["llama"]), device="cuda", dtype="float32",
                   num_kv_blocks=128, enforce_eager=eager, max_num_seqs=8,
                   tensor_parallel_size=2, distributed_executor_backend="ray",
-                  decode_steps=steps, symmetric_all_reduce=symmetric)
+                  decode_steps=steps, symmetric_all_reduce=symmetric,
+                  decode_lookahead=symmetric)
         try:
             actors = llm.engine.executor.actors
             assert ray.get([a.uses_cuda_graphs.remote() for a in actors]) == [not eager] * 2
