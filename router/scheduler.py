@@ -127,15 +127,15 @@ class Scheduler:
             shortest = min(shortest, wanted, room)
             steps = min(steps, room)
         steps = max(1, min(steps, needed))
-        lookahead = self.config.decode_lookahead and steps > 1 and shortest > steps
         grow, free = self.kv.num_blocks_to_grow, self.kv.num_free_blocks
-        slots = steps + lookahead
-        if sum(grow(seq.request_id, seq.num_computed_tokens + slots) for seq in running) <= free:
-            return steps, lookahead
-        if lookahead and sum(grow(seq.request_id, seq.num_computed_tokens + steps)
-                             for seq in running) <= free:
-            return steps, False
-        return 1, False
+
+        def fits(num_slots: int) -> bool:  # every sequence's next num_slots slots
+            return sum(grow(s.request_id, s.num_computed_tokens + num_slots)
+                       for s in running) <= free
+
+        if self.config.decode_lookahead and 1 < steps < shortest and fits(steps + 1):
+            return steps, True
+        return (steps, False) if fits(steps) else (1, False)
 
     def _schedule_running(self, output: SchedulerOutput, budget: int) -> int:
         chunk = self.config.max_prefill_chunk

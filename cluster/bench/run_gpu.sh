@@ -20,11 +20,11 @@ stage "W1 latency, lookahead" ${W1_TIME:-110} python -m cluster.bench latency --
 stage "W2 throughput" ${W2_TIME:-170} python -m cluster.bench throughput --shape qwen3-0.6b \
   --hf-batch-sizes ${W2_HF_BATCHES:-256} --hf-max-new-tokens 256 --hf-batch-requests 0 \
   --output "$OUT/w2.json"
+stage "W2 throughput, lookahead" ${W2_TIME:-170} python -m cluster.bench throughput --shape qwen3-0.6b \
+  --no-hf --decode-lookahead --output "$OUT/w2-lookahead.json"
 stage "W4 prefix" ${W4_TIME:-170} python -m cluster.bench prefix --shape llama-3.2-1b \
   --max-num-seqs 1024 --max-num-batched-tokens 8192 --output "$OUT/w4.json"
 stage "W2 by step" ${STEPS_TIME:-90} python -m cluster.bench.step_times
 stage "attention" ${ATTN_TIME:-70} python -m workers.attention.bench_attention
 stage "decode attention tuning" ${TUNE_TIME:-150} python -m workers.attention.tune_decode
 stage "one-token projections" ${GEMV_TIME:-240} python -m workers.layers.tune_gemv
-stage "W2 throughput, lookahead" ${W2_TIME:-170} python -m cluster.bench throughput --shape qwen3-0.6b \
-  --no-hf --decode-lookahead --output "$OUT/w2-lookahead.json"

@@ -83,6 +83,7 @@ class SymmetricAllReduce:
             from workers.layers.push_all_reduce import push_all_reduce
 
             return push_all_reduce(t, self.buffer_ptrs, self.uses, self.rank, self.max_bytes)
+        # one_shot: the whole buffer is its staging area (the push kernel's flags are unused)
         staging = self.buffer.view(t.dtype)[: t.numel()].view(t.shape)
         if not hasattr(torch.ops.symm_mem, "one_shot_all_reduce_copy"):  # PyTorch < 2.9
             staging.copy_(t)
