@@ -27,8 +27,8 @@ class EngineConfig:
     # (no host round trip between them); 0: auto, 8 on a GPU and 1 on the CPU
     decode_steps: int = 0
     # multi-step calls also run the next call's first step while the host reads this call's
-    # tokens and schedules the next (router/scheduler.py); experimental, not yet measured
-    decode_lookahead: bool = False
+    # tokens and schedules the next (router/scheduler.py): the device does not wait for the host
+    decode_lookahead: bool = True
     cpu_kv_cache_gb: float = 1.0
     gpu_memory_utilization: float = 0.9
     tensor_parallel_size: int = 1

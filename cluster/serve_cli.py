@@ -42,9 +42,10 @@ def add_serve_command(subparsers: argparse._SubParsersAction) -> None:
         parser.add_argument(flag, dest=field, type=kind, help=help_text)
     parser.add_argument("--no-prefix-caching", dest="enable_prefix_caching",
                         action="store_false", default=None, help="turn the prefix cache off")
-    parser.add_argument("--decode-lookahead", dest="decode_lookahead", action="store_true",
-                        default=None, help="multi-step calls also run the next call's first "
-                        "step (experimental)")
+    parser.add_argument("--decode-lookahead", dest="decode_lookahead",
+                        action=argparse.BooleanOptionalAction, default=None,
+                        help="multi-step calls also run the next call's first step "
+                        "(default: off for serving)")
     parser.set_defaults(handler=serve_command)
 
 

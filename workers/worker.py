@@ -52,6 +52,46 @@ class WorkerConfig:
         return DTYPES[self.dtype]
 
 
+def to_host(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy on the host, queued without waiting (into pinned memory from a GPU)."""
+    return tensor.to("cpu", non_blocking=True)
+
+
+def copied_event(source: torch.Tensor) -> "torch.cuda.Event | None":
+    """Marks the copies from source's GPU queued so far on the current stream; None on the
+    CPU, where they are done already."""
+    if not source.is_cuda:
+        return None
+    event = torch.cuda.Event()
+    event.record()
+    return event
+
+
+@dataclass
+class PendingRead:
+    """A call's tokens (and logprobs) on their way to the host."""
+
+    request_ids: list[str]
+    token_ids: torch.Tensor  # (B, steps) on the host once `copied` has passed
+    logprobs: list[tuple[torch.Tensor, torch.Tensor]] | None  # a step's (values, token ids)
+    widths: list[int]  # per row: the sampled token's logprob and its top ones
+    copied: "torch.cuda.Event | None"
+
+    def result(self) -> StepOutput:
+        if self.copied is not None:
+            self.copied.synchronize()
+        token_ids = self.token_ids.tolist()
+        if self.logprobs is None:
+            return StepOutput(self.request_ids, token_ids)
+        logprobs: list[list[TokenLogprobs]] = [[] for _ in self.request_ids]
+        for values, ids in self.logprobs:
+            values_rows, ids_rows = values.tolist(), ids.tolist()
+            for row, width in enumerate(self.widths):
+                logprobs[row].append(list(zip(ids_rows[row][:width], values_rows[row][:width],
+                                              strict=True)))
+        return StepOutput(self.request_ids, token_ids, logprobs)
+
+
 @dataclass
 class Lookahead:
     """The first step of the next call, run at the end of this one (``StepInput.lookahead``)."""
@@ -222,7 +262,12 @@ class Worker:
             if previous.output is not None:
                 outputs.append(previous.output)
         total = num_steps + 1 if run_lookahead else num_steps
+        read: PendingRead | None = None
         for index in range(start, total):
+            if index == num_steps and self.is_driver:
+                # this call's tokens start for the host before the lookahead is queued: the
+                # host waits for them alone, and schedules while the device runs the lookahead
+                read = self._start_read(first.request_ids, outputs)
             rows = first.advanced(index, self.config.block_size) if index else first
             logits = self.model.compute_logits(self._forward_decode(rows, tokens))  # collective
             if self.is_driver:
@@ -234,8 +279,10 @@ class Worker:
         if run_lookahead:
             assert tokens is not None
             self.lookahead = Lookahead(first.request_ids, first.positions + num_steps, tokens,
-                                       outputs.pop() if self.is_driver else None)
-        return self._read(first.request_ids, outputs) if self.is_driver else None
+                                       outputs[-1] if self.is_driver else None)
+        if not self.is_driver:
+            return None
+        return (read or self._start_read(first.request_ids, outputs)).result()
 
     def _from_driver(self, tokens: torch.Tensor | None, count: int) -> torch.Tensor | None:
         """Rank 0's sampled tokens, on every rank (a broadcast under tensor parallelism)."""
@@ -265,7 +312,7 @@ class Worker:
         logits = self.model.compute_logits(hidden)  # a collective under TP
         if not self.is_driver:
             return None
-        return self._read(request_ids, [self._sample(request_ids, logits)])
+        return self._start_read(request_ids, [self._sample(request_ids, logits)]).result()
 
     def _sample(self, request_ids: list[str], logits: torch.Tensor,
                 offset: int = 0) -> SamplerOutput:
@@ -280,15 +327,13 @@ class Worker:
             [state.generator_for_next_token(offset) for state in states],
         )
 
-    def _read(self, request_ids: list[str], outputs: list[SamplerOutput]) -> StepOutput:
-        """The one device-to-host read of a call: every step's tokens, and logprobs if asked."""
-        token_ids = torch.stack([out.token_ids for out in outputs], dim=1).tolist()  # (B, steps)
-        if outputs[0].logprobs is None:
-            return StepOutput(request_ids, token_ids)
+    def _start_read(self, request_ids: list[str], outputs: list[SamplerOutput]) -> "PendingRead":
+        """Queues the one device-to-host copy of a call (every step's tokens, and logprobs if
+        asked) behind the steps so far; its result() waits for that copy only."""
+        token_ids = torch.stack([out.token_ids for out in outputs], dim=1)  # (B, steps)
+        logprobs = None
+        if outputs[0].logprobs is not None:
+            logprobs = [(to_host(out.logprobs), to_host(out.logprob_token_ids)) for out in outputs]
         widths = [1 + (self.states[r].spec.logprobs or 0) for r in request_ids]
-        logprobs: list[list[TokenLogprobs]] = [[] for _ in request_ids]
-        for out in outputs:
-            values, ids = out.logprobs.tolist(), out.logprob_token_ids.tolist()
-            for row, width in enumerate(widths):
-                logprobs[row].append(list(zip(ids[row][:width], values[row][:width], strict=True)))
-        return StepOutput(request_ids, token_ids, logprobs)
+        host_token_ids = to_host(token_ids)
+        return PendingRead(request_ids, host_token_ids, logprobs, widths, copied_event(token_ids))

@@ -22,8 +22,8 @@ def common_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     parser.add_argument("--decode-steps", type=int, default=0,
                         help="decode steps per host round trip (0: auto, 8 on a GPU)")
-    parser.add_argument("--decode-lookahead", action="store_true",
-                        help="multi-step calls also run the next call's first step")
+    parser.add_argument("--decode-lookahead", action=argparse.BooleanOptionalAction, default=True,
+                        help="multi-step calls also run the next call's first step (default: on)")
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--block-size", type=int, default=16)

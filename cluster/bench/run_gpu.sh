@@ -15,13 +15,13 @@ stage "gpu tests" ${TESTS_TIME:-90} python -m pytest -q -p no:cacheprovider -m g
 stage "fused kernels" ${FUSED_TIME:-60} python -m workers.layers.check_fused
 stage "W1 latency" ${W1_TIME:-110} python -m cluster.bench latency --shape llama-3.2-1b \
   --compare-backends --profile --output "$OUT/w1.json"
-stage "W1 latency, lookahead" ${W1_TIME:-110} python -m cluster.bench latency --shape llama-3.2-1b \
-  --no-hf --decode-lookahead --output "$OUT/w1-lookahead.json"
+stage "W1 latency, no lookahead" ${W1_TIME:-110} python -m cluster.bench latency --shape llama-3.2-1b \
+  --no-hf --no-decode-lookahead --output "$OUT/w1-no-lookahead.json"
 stage "W2 throughput" ${W2_TIME:-170} python -m cluster.bench throughput --shape qwen3-0.6b \
   --hf-batch-sizes ${W2_HF_BATCHES:-256} --hf-max-new-tokens 256 --hf-batch-requests 0 \
   --output "$OUT/w2.json"
-stage "W2 throughput, lookahead" ${W2_TIME:-170} python -m cluster.bench throughput --shape qwen3-0.6b \
-  --no-hf --decode-lookahead --output "$OUT/w2-lookahead.json"
+stage "W2 throughput, no lookahead" ${W2_TIME:-170} python -m cluster.bench throughput --shape qwen3-0.6b \
+  --no-hf --no-decode-lookahead --output "$OUT/w2-no-lookahead.json"
 stage "W4 prefix" ${W4_TIME:-170} python -m cluster.bench prefix --shape llama-3.2-1b \
   --max-num-seqs 1024 --max-num-batched-tokens 8192 --output "$OUT/w4.json"
 stage "W2 by step" ${STEPS_TIME:-90} python -m cluster.bench.step_times

@@ -52,7 +52,7 @@ def measure(folder: Path, tp: int, backend: str, args: argparse.Namespace,
     llm = LLM(str(folder), device=args.device, dtype=dtype, tensor_parallel_size=tp,
               distributed_executor_backend=backend, max_num_seqs=max(args.batch),
               gpu_memory_utilization=args.gpu_memory_utilization,
-              symmetric_all_reduce=symmetric)
+              symmetric_all_reduce=symmetric, decode_lookahead=args.decode_lookahead)
     vocab = llm.engine.vocab_size
     try:
         llm.generate(random_prompts(2, 16, vocab, 99), SamplingParams(max_tokens=8))  # warm up
@@ -102,6 +102,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="print every rank's torch.profiler table of a batch-1 request")
     parser.add_argument("--all-reduce", choices=["symmetric", "nccl", "both"], default="both",
                         help="TP > 1: small sums through peer memory, NCCL only, or both runs")
+    parser.add_argument("--decode-lookahead", action=argparse.BooleanOptionalAction, default=True,
+                        help="multi-step calls also run the next call's first step")
     parser.add_argument("--output", default="bench-results/w7.json")
     args = parser.parse_args(argv)
     folder = Path(args.model) if args.model else build_random_model(args.shape,

@@ -115,8 +115,8 @@ def test_lookahead_steps_start_the_next_call(tiny_models, expected, name):
     such step is taken up by the next call, not run again (as many rows sampled as without)."""
     tokens, rows, lookaheads, llm = generate_counting(tiny_models[name], decode_steps=5,
                                                       decode_lookahead=True)
-    plain_tokens, plain_rows, plain_lookaheads, _ = generate_counting(tiny_models[name],
-                                                                      decode_steps=5)
+    plain_tokens, plain_rows, plain_lookaheads, _ = generate_counting(
+        tiny_models[name], decode_steps=5, decode_lookahead=False)
     assert tokens == plain_tokens == expected[name]
     # 5-step calls at 3, 8 and 13 tokens look ahead; the one at 18 ends the requests
     assert (lookaheads, plain_lookaheads) == (3, 0)
@@ -159,3 +159,29 @@ def test_a_lookahead_is_dropped_when_the_batch_changes(tiny_models, expected):
     assert pending  # the second call had looked ahead when the request came
     assert tokens == plain_tokens == [expected["llama"][1], expected["llama"][3]]
     assert rows == plain_rows + 1  # the dropped lookahead row
+
+
+def test_a_call_queues_its_tokens_for_the_host_before_its_lookahead(tiny_models, expected):
+    """The host then waits for this call's tokens alone, not for the lookahead behind them:
+    that step runs on the device while the host reads and schedules."""
+    llm = LLM(str(tiny_models["llama"]), device="cpu", dtype="float32", block_size=4,
+              num_kv_blocks=256, decode_steps=5, decode_lookahead=True)
+    worker, events = llm.engine.executor.worker, []
+    start_read, forward_decode, execute = (worker._start_read, worker._forward_decode,
+                                           worker.execute)
+
+    def logged(name, fn):
+        return lambda *args: events.append(name) or fn(*args)
+
+    worker._start_read = logged("read", start_read)
+    worker._forward_decode = logged("step", forward_decode)
+    worker.execute = logged("|", execute)
+    tokens = llm.generate([PROMPTS[1]], GREEDY)[0].token_ids
+    assert tokens == expected["llama"][1]
+    # the prefill (run outside _forward_decode), then 5-step calls: the first runs 5 steps and
+    # the lookahead after its read; the next two take that step up and run 4 + 1 more; the
+    # last (4 tokens to go) looks ahead of nothing
+    calls = " ".join(events).split("| ")[1:]
+    assert calls == ["read ", "step step step step step read step ",
+                     "step step step step read step ", "step step step step read step ",
+                     "step step step read"]
