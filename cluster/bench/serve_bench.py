@@ -11,6 +11,7 @@ serving.
 import argparse
 import asyncio
 import json
+import os
 import random
 import time
 from collections.abc import Awaitable, Callable
@@ -212,7 +213,12 @@ def parse_loads(args: argparse.Namespace) -> list[Load]:
 
 
 def serve_bench(args: argparse.Namespace) -> int:
-    return asyncio.run(_serve_bench(args, parse_loads(args)))
+    from cluster.serve_cli import THROUGHPUT_OPTIMIZED_ENV, throughput_optimized_env
+
+    loads = parse_loads(args)
+    # as `tandem serve` runs it (the Ray instance below starts with this environment)
+    os.environ[THROUGHPUT_OPTIMIZED_ENV] = throughput_optimized_env(None)
+    return asyncio.run(_serve_bench(args, loads))
 
 
 async def _serve_bench(args: argparse.Namespace, loads: list[Load]) -> int:
