@@ -327,7 +327,7 @@ class Worker:
             [state.generator_for_next_token(offset) for state in states],
         )
 
-    def _start_read(self, request_ids: list[str], outputs: list[SamplerOutput]) -> "PendingRead":
+    def _start_read(self, request_ids: list[str], outputs: list[SamplerOutput]) -> PendingRead:
         """Queues the one device-to-host copy of a call (every step's tokens, and logprobs if
         asked) behind the steps so far; its result() waits for that copy only."""
         token_ids = torch.stack([out.token_ids for out in outputs], dim=1)  # (B, steps)
