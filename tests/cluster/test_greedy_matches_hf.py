@@ -185,3 +185,34 @@ def test_a_call_queues_its_tokens_for_the_host_before_its_lookahead(tiny_models,
     assert calls == ["read ", "step step step step step read step ",
                      "step step step step read step ", "step step step step read step ",
                      "step step step read"]
+
+
+def test_aborting_a_request_with_a_lookahead_pending(tiny_models, expected):
+    """A request aborted after a call that looked ahead for it: its blocks (the lookahead's
+    slot too) go back at once, the next call (the other request alone) drops the lookahead,
+    and the request that stays keeps transformers' tokens."""
+    from cluster.config import EngineConfig
+    from cluster.engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig(model=str(tiny_models["llama"]), device="cpu",
+                                    dtype="float32", block_size=4, num_kv_blocks=256,
+                                    decode_steps=5, decode_lookahead=True))
+    worker, tokens = engine.executor.worker, {}
+
+    def step():
+        for out in engine.step():
+            tokens[out.request_id] = out.outputs[0].token_ids
+
+    kept = engine.add_request(PROMPTS[1], GREEDY)
+    aborted = engine.add_request(PROMPTS[3], GREEDY)
+    for _ in range(2):  # the prefill, then a 5-step call that looks ahead for both
+        step()
+    assert worker.lookahead is not None and set(worker.lookahead.request_ids) == {kept, aborted}
+    engine.abort(aborted)
+    while engine.has_unfinished():
+        step()
+    assert tokens[kept] == expected["llama"][1]
+    assert len(tokens[aborted]) == 6  # the prefill's token and the first call's five
+    assert worker.lookahead is None and aborted not in worker.states
+    assert engine.stats().kv_blocks_used == 0
+    engine.scheduler.kv.check_integrity()
