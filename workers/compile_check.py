@@ -82,6 +82,7 @@ def compile_all() -> None:
     from workers.greedy import greedy_tokens
     from workers.layers.fused_kernels import add_rms_norm, rms_norm, rotary_inplace, silu_and_mul
     from workers.layers.gemv import gemv, qkv_rotary_store
+    from workers.layers.persistent_mlp import persistent_mlp
 
     # (hidden, heads, kv heads, head_dim, intermediate): Llama-3.2-1B, Qwen3-0.6B, 8B at TP 2
     shapes = [(2048, 32, 8, 64, 8192), (1024, 16, 8, 128, 3072), (4096, 16, 4, 128, 7168)]
@@ -101,6 +102,11 @@ def compile_all() -> None:
         call("gemv gate_up", gemv, x, zeros(2 * inter, hidden), residual=res, norm_weight=norm,
              silu_mul=True)
         call("gemv down", gemv, zeros(1, inter), zeros(hidden, inter))
+        barrier = torch.zeros(2, dtype=torch.int64)
+        call("persistent MLP", persistent_mlp, x, zeros(2 * inter, hidden), zeros(hidden, inter),
+             res, norm, 1e-5, barrier, programs=132)
+        call("persistent MLP, first layer", persistent_mlp, x, zeros(2 * inter, hidden),
+             zeros(hidden, inter), None, norm, 1e-5, barrier, programs=132)
         cache = zeros(8, 16, kv_heads, head_dim)
         rotary_args = (zeros(1, head_dim), zeros(1, head_dim), cache, cache,
                        torch.zeros(1, dtype=torch.int64), heads)
