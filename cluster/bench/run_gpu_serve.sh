@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # W3 on one GPU, the serving variants side by side: N ingress replicas, through Serve's proxy or
-# with direct ingress (RAY_SERVE_THROUGHPUT_OPTIMIZED: the ingress serves HTTP itself).
+# with direct ingress (RAY_SERVE_THROUGHPUT_OPTIMIZED: the ingress serves HTTP itself; what
+# `tandem serve` runs by default since the sixth session).
 # Needs Ray and pydantic: on the GPU machine, `source .kit/on-device.sh` first.
 # Usage: OUT=<folder> W3_VARIANTS="4 0;8 1" bash cluster/bench/run_gpu_serve.sh
 #   W3_ARGS: more arguments for every variant, e.g. W3_ARGS=--decode-lookahead
@@ -12,7 +13,7 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export TANDEM_CACHE_DIR=${TANDEM_CACHE_DIR:-/tmp/tandem-cache}
 OUT=${OUT:-bench-results}; mkdir -p "$OUT"
 LOG="$OUT/log-serve.txt"; ERR="$OUT/stderr-serve.txt"
-IFS=';' read -ra variants <<<"${W3_VARIANTS:-1 0;4 0}"
+IFS=';' read -ra variants <<<"${W3_VARIANTS:-4 1;4 0}"
 for variant in "${variants[@]}"; do
   read -r ingress optimized <<<"$variant"
   echo "== W3, $ingress ingress replica(s), throughput-optimized Serve: $optimized" | tee -a "$LOG"
