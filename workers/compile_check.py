@@ -102,6 +102,12 @@ def compile_all() -> None:
         call("gemv gate_up", gemv, x, zeros(2 * inter, hidden), residual=res, norm_weight=norm,
              silu_mul=True)
         call("gemv down", gemv, zeros(1, inter), zeros(hidden, inter))
+        # the first weight chunk requested before the norm's pass (off by default, measured
+        # by tune_gemv --weights-first)
+        call("gemv qkv + norm, weights first", gemv, x, qkv_w, residual=res, norm_weight=norm,
+             weights_first=True)
+        call("gemv gate_up, weights first", gemv, x, zeros(2 * inter, hidden), residual=res,
+             norm_weight=norm, silu_mul=True, weights_first=True)
         barrier = torch.zeros(2, dtype=torch.int64)
         call("persistent MLP", persistent_mlp, x, zeros(2 * inter, hidden), zeros(hidden, inter),
              res, norm, 1e-5, barrier, programs=132)
@@ -114,6 +120,8 @@ def compile_all() -> None:
              *rotary_args)
         call("qkv + rotary + store, first layer, bias", qkv_rotary_store, x, qkv_w,
              zeros(len(qkv_w)), None, norm, 1e-5, *rotary_args)
+        call("qkv + rotary + store, weights first", qkv_rotary_store, x, qkv_w, None, res,
+             norm, 1e-5, *rotary_args, weights_first=True)
         h, qkv = zeros(64, hidden), zeros(64, heads + 2 * kv_heads, head_dim)
         q, k = qkv[:, :heads], qkv[:, heads : heads + kv_heads]
         call("rms_norm", rms_norm, h, norm, 1e-5)

@@ -18,6 +18,8 @@ stage "W1 latency" ${W1_TIME:-110} python -m cluster.bench latency --shape llama
   --compare-backends --profile --output "$OUT/w1.json"
 stage "W1 latency, no lookahead" ${W1_TIME:-110} python -m cluster.bench latency --shape llama-3.2-1b \
   --no-hf --no-decode-lookahead --output "$OUT/w1-no-lookahead.json"
+stage "W1 latency, weights first" ${W1_TIME:-110} env TANDEM_GEMV_WEIGHTS_FIRST=1 python -m cluster.bench \
+  latency --shape llama-3.2-1b --no-hf --output "$OUT/w1-weights-first.json"
 stage "W2 throughput" ${W2_TIME:-170} python -m cluster.bench throughput --shape qwen3-0.6b \
   --hf-batch-sizes ${W2_HF_BATCHES:-256} --hf-max-new-tokens 256 --hf-batch-requests 0 \
   --output "$OUT/w2.json"
@@ -29,4 +31,5 @@ stage "W2 by step" ${STEPS_TIME:-90} python -m cluster.bench.step_times
 stage "attention" ${ATTN_TIME:-70} python -m workers.attention.bench_attention
 stage "decode attention tuning" ${TUNE_TIME:-150} python -m workers.attention.tune_decode
 stage "persistent MLP" ${MLP_TIME:-120} python -m workers.layers.tune_gemv --mlp
+stage "weights first" ${MLP_TIME:-120} python -m workers.layers.tune_gemv --weights-first
 stage "one-token projections" ${GEMV_TIME:-240} python -m workers.layers.tune_gemv

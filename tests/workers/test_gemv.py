@@ -163,3 +163,39 @@ def test_only_fused_models_send_one_row_to_gemv(tiny_models):
     assert len(fused) == len(plain) > 0
     assert all(m.gemv_for_one_row for m in fused)
     assert not any(m.gemv_for_one_row for m in plain)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_weights_first_changes_no_bit(dtype):
+    """Requesting the first weight chunk before the norm's pass reorders loads, not sums."""
+    x, residual = randn(1, 80, dtype=dtype), randn(1, 80, dtype=dtype, seed=1)
+    weight = weights(2 * 20, 80, dtype, seed=2)
+    norm_weight = 1 + 0.2 * randn(80, dtype=dtype, seed=4)
+    for silu_mul in (False, True):
+        outs = [gemv(x, weight, residual=residual, norm_weight=norm_weight, eps=1e-5,
+                     silu_mul=silu_mul, config=SMALL, weights_first=first)
+                for first in (False, True)]
+        assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    heads, kv_heads, head_dim = 2, 1, 16
+    qkv_weight = weights((heads + 2 * kv_heads) * head_dim, 80, dtype, seed=5)
+    cos, sin = randn(1, head_dim, dtype=dtype, seed=6), randn(1, head_dim, dtype=dtype, seed=7)
+    results = []
+    for first in (False, True):
+        cache = [torch.zeros(2, 4, kv_heads, head_dim, dtype=dtype) for _ in range(2)]
+        q, _ = qkv_rotary_store(x, qkv_weight, None, residual, norm_weight, 1e-5, cos, sin,
+                                *cache, torch.tensor([5]), heads, config=(4, 32, 4, 2),
+                                weights_first=first)
+        results.append((q, *cache))
+    assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
+
+
+def test_weights_first_switch_from_the_environment(monkeypatch):
+    from workers.layers.gemv import WEIGHTS_FIRST_ENV, weights_first_default
+
+    monkeypatch.delenv(WEIGHTS_FIRST_ENV, raising=False)
+    assert weights_first_default() is False
+    monkeypatch.setenv(WEIGHTS_FIRST_ENV, "1")
+    assert weights_first_default() is True
+    monkeypatch.setenv(WEIGHTS_FIRST_ENV, "yes")
+    with pytest.raises(ValueError, match="TANDEM_GEMV_WEIGHTS_FIRST='yes': use 0 or 1"):
+        weights_first_default()

@@ -9,6 +9,8 @@ fused kernel's output agrees with the unfused path.
     python -m workers.layers.tune_gemv [--quick]
     python -m workers.layers.tune_gemv --mlp    (each model's MLP: gemv's two launches against
         the one persistent launch of workers/layers/persistent_mlp.py, over a few tilings)
+    python -m workers.layers.tune_gemv --weights-first    (the projections with a norm before
+        them, with and without their first weight chunk requested before the norm's pass)
 """
 
 import argparse
@@ -53,11 +55,12 @@ def unfused(layer: dict, kind: str) -> torch.Tensor:
     return silu_and_mul(out) if kind == "norm+silu" else out
 
 
-def fused(layer: dict, kind: str, config) -> torch.Tensor:
+def fused(layer: dict, kind: str, config, weights_first: bool | None = None) -> torch.Tensor:
     if kind == "plain":
         return gemv(layer["x"], layer["weight"], config=config)[0]
     return gemv(layer["x"], layer["weight"], residual=layer["residual"], norm_weight=layer["norm"],
-                eps=1e-5, silu_mul=kind == "norm+silu", config=config)[0]
+                eps=1e-5, silu_mul=kind == "norm+silu", config=config,
+                weights_first=weights_first)[0]
 
 
 def graph_ms(fn, layers: list[dict]) -> float:
@@ -112,11 +115,33 @@ def mlp_comparison(model: str) -> None:
               f"max |difference| {error:.1e}, barrier missed: {barrier_missed(barrier)}")
 
 
+def weights_first_comparison(model: str) -> None:
+    """Each projection with a norm before it, default tiles, weights first or not: µs a call."""
+    num_layers, projections = MODELS[model]
+    print(f"\n{model}: projections with a norm, µs a call (one graph of {num_layers} layers)")
+    for name, rows, k, kind in projections:
+        if kind == "plain":
+            continue
+        layers = make_layers(num_layers, rows, k, kind)
+        times = [graph_ms(lambda layer, first=first, kind=kind: fused(layer, kind, None, first),
+                          layers)
+                 for first in (False, True)]
+        same = torch.equal(fused(layers[0], kind, None, False), fused(layers[0], kind, None, True))
+        print(f"  {name} ({rows}x{k}): norm's pass first {times[0] * 1e3:.1f} us, weights first "
+              f"{times[1] * 1e3:.1f} us, same output: {same}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="two configurations, not the sweep")
     parser.add_argument("--mlp", action="store_true", help="the persistent MLP against gemv")
+    parser.add_argument("--weights-first", action="store_true",
+                        help="the norm's projections with their first weights requested first")
     args = parser.parse_args()
+    if args.weights_first:
+        for model in MODELS:
+            weights_first_comparison(model)
+        return
     if args.mlp:
         for model in MODELS:
             mlp_comparison(model)
