@@ -43,6 +43,17 @@ def type_name(value: object) -> str:
     raise TypeError(f"no Triton type for {type(value).__name__}")
 
 
+def specialized_as_aligned(param, value: object) -> bool:
+    """Whether Triton's launcher tells the compiler this argument is a multiple of 16 (pointers
+    to 16-byte aligned data, integers divisible by 16), as it does at run time: the compiled
+    code then vectorizes loads, so the check compiles what the GPU runs."""
+    if param.do_not_specialize or param.do_not_specialize_on_alignment:
+        return False
+    if isinstance(value, torch.Tensor):
+        return value.data_ptr() % 16 == 0
+    return isinstance(value, int) and not isinstance(value, bool) and value % 16 == 0
+
+
 class Compiler:
     """Stands in for JITFunction.run: compiles each distinct launch once, launches nothing."""
 
@@ -54,17 +65,19 @@ class Compiler:
         options = {key: kwargs.pop(key) for key in launch if key in kwargs}
         bound = inspect.signature(kernel.fn).bind(*args, **kwargs)
         bound.apply_defaults()
-        signature, constexprs = {}, {}
-        for param in kernel.params:
+        signature, constexprs, attrs = {}, {}, {}
+        for index, param in enumerate(kernel.params):
             value = bound.arguments[param.name]
             if param.is_constexpr or value is None:
                 signature[param.name], constexprs[param.name] = "constexpr", value
             else:
                 signature[param.name] = type_name(value)
+                if specialized_as_aligned(param, value):
+                    attrs[(index,)] = [["tt.divisibility", 16]]
         key = (kernel.__name__, tuple(signature.items()), tuple(constexprs.items()),
-               tuple(options.items()))
+               tuple(options.items()), tuple(attrs))
         if key not in self.done:
-            triton.compile(ASTSource(kernel, signature, constexprs), target=TARGET,
+            triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=TARGET,
                            options=options)
             pointers = sorted({t for t in signature.values() if t.startswith("*")})
             self.done[key] = f"{kernel.__name__} {','.join(pointers)} {constexprs} {options}"
@@ -82,7 +95,6 @@ def compile_all() -> None:
     from workers.greedy import greedy_tokens
     from workers.layers.fused_kernels import add_rms_norm, rms_norm, rotary_inplace, silu_and_mul
     from workers.layers.gemv import gemv, qkv_rotary_store
-    from workers.layers.persistent_mlp import persistent_mlp
 
     # (hidden, heads, kv heads, head_dim, intermediate): Llama-3.2-1B, Qwen3-0.6B, 8B at TP 2
     shapes = [(2048, 32, 8, 64, 8192), (1024, 16, 8, 128, 3072), (4096, 16, 4, 128, 7168)]
@@ -102,17 +114,6 @@ def compile_all() -> None:
         call("gemv gate_up", gemv, x, zeros(2 * inter, hidden), residual=res, norm_weight=norm,
              silu_mul=True)
         call("gemv down", gemv, zeros(1, inter), zeros(hidden, inter))
-        # the first weight chunk requested before the norm's pass (off by default, measured
-        # by tune_gemv --weights-first)
-        call("gemv qkv + norm, weights first", gemv, x, qkv_w, residual=res, norm_weight=norm,
-             weights_first=True)
-        call("gemv gate_up, weights first", gemv, x, zeros(2 * inter, hidden), residual=res,
-             norm_weight=norm, silu_mul=True, weights_first=True)
-        barrier = torch.zeros(2, dtype=torch.int64)
-        call("persistent MLP", persistent_mlp, x, zeros(2 * inter, hidden), zeros(hidden, inter),
-             res, norm, 1e-5, barrier, programs=132)
-        call("persistent MLP, first layer", persistent_mlp, x, zeros(2 * inter, hidden),
-             zeros(hidden, inter), None, norm, 1e-5, barrier, programs=132)
         cache = zeros(8, 16, kv_heads, head_dim)
         rotary_args = (zeros(1, head_dim), zeros(1, head_dim), cache, cache,
                        torch.zeros(1, dtype=torch.int64), heads)
@@ -120,8 +121,6 @@ def compile_all() -> None:
              *rotary_args)
         call("qkv + rotary + store, first layer, bias", qkv_rotary_store, x, qkv_w,
              zeros(len(qkv_w)), None, norm, 1e-5, *rotary_args)
-        call("qkv + rotary + store, weights first", qkv_rotary_store, x, qkv_w, None, res,
-             norm, 1e-5, *rotary_args, weights_first=True)
         h, qkv = zeros(64, hidden), zeros(64, heads + 2 * kv_heads, head_dim)
         q, k = qkv[:, :heads], qkv[:, heads : heads + kv_heads]
         call("rms_norm", rms_norm, h, norm, 1e-5)

@@ -144,13 +144,17 @@ def test_bad_input_is_refused():
 
 
 def test_default_configs_follow_the_h200_sweep():
-    # (outputs, K, silu_mul): Llama-3.2-1B qkv, o, gate_up, down; Llama-3.1-8B TP 2 qkv
-    assert default_config(3072, 2048, False) == (4, 1024, 8, 3)
-    assert default_config(2048, 2048, False) == (8, 1024, 8, 3)
-    assert default_config(8192, 2048, True) == (16, 512, 4, 3)
-    assert default_config(2048, 8192, False) == (8, 1024, 8, 3)
-    assert default_config(3072, 4096, False) == (4, 1024, 4, 3)
+    # (outputs, K, silu_mul): Llama-3.2-1B qkv, o, gate_up, down; Qwen3-0.6B gate_up;
+    # Llama-3.1-8B TP 2 qkv, gate_up
+    assert default_config(3072, 2048, False) == (8, 512, 4, 3)
+    assert default_config(2048, 2048, False) == (8, 1024, 4, 3)
+    assert default_config(8192, 2048, True) == (16, 256, 4, 3)
+    assert default_config(2048, 8192, False) == (8, 1024, 4, 3)
+    assert default_config(3072, 1024, True) == (8, 256, 4, 3)
+    assert default_config(3072, 4096, False) == (8, 1024, 4, 3)
+    assert default_config(7168, 4096, True) == (16, 256, 4, 3)
     assert default_config(8, 100, False)[1] == 128  # K chunks no longer than the row
+    assert default_config(8, 100, True)[1] == 128
 
 
 def test_only_fused_models_send_one_row_to_gemv(tiny_models):
@@ -163,39 +167,3 @@ def test_only_fused_models_send_one_row_to_gemv(tiny_models):
     assert len(fused) == len(plain) > 0
     assert all(m.gemv_for_one_row for m in fused)
     assert not any(m.gemv_for_one_row for m in plain)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_weights_first_changes_no_bit(dtype):
-    """Requesting the first weight chunk before the norm's pass reorders loads, not sums."""
-    x, residual = randn(1, 80, dtype=dtype), randn(1, 80, dtype=dtype, seed=1)
-    weight = weights(2 * 20, 80, dtype, seed=2)
-    norm_weight = 1 + 0.2 * randn(80, dtype=dtype, seed=4)
-    for silu_mul in (False, True):
-        outs = [gemv(x, weight, residual=residual, norm_weight=norm_weight, eps=1e-5,
-                     silu_mul=silu_mul, config=SMALL, weights_first=first)
-                for first in (False, True)]
-        assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
-    heads, kv_heads, head_dim = 2, 1, 16
-    qkv_weight = weights((heads + 2 * kv_heads) * head_dim, 80, dtype, seed=5)
-    cos, sin = randn(1, head_dim, dtype=dtype, seed=6), randn(1, head_dim, dtype=dtype, seed=7)
-    results = []
-    for first in (False, True):
-        cache = [torch.zeros(2, 4, kv_heads, head_dim, dtype=dtype) for _ in range(2)]
-        q, _ = qkv_rotary_store(x, qkv_weight, None, residual, norm_weight, 1e-5, cos, sin,
-                                *cache, torch.tensor([5]), heads, config=(4, 32, 4, 2),
-                                weights_first=first)
-        results.append((q, *cache))
-    assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
-
-
-def test_weights_first_switch_from_the_environment(monkeypatch):
-    from workers.layers.gemv import WEIGHTS_FIRST_ENV, weights_first_default
-
-    monkeypatch.delenv(WEIGHTS_FIRST_ENV, raising=False)
-    assert weights_first_default() is False
-    monkeypatch.setenv(WEIGHTS_FIRST_ENV, "1")
-    assert weights_first_default() is True
-    monkeypatch.setenv(WEIGHTS_FIRST_ENV, "yes")
-    with pytest.raises(ValueError, match="TANDEM_GEMV_WEIGHTS_FIRST='yes': use 0 or 1"):
-        weights_first_default()

@@ -22,23 +22,9 @@ Intermediate values are rounded to the activation dtype where the unfused layers
 (fused_kernels.py), so the two paths agree as far as summation order allows.
 """
 
-import os
-
 import torch
 import triton
 import triton.language as tl
-
-# Whether kernels with a norm request their first weight chunk before the norm's pass over x
-# (_norm_and_project), when the caller does not say: off until measured on a GPU
-# (`python -m workers.layers.tune_gemv --weights-first`); TANDEM_GEMV_WEIGHTS_FIRST=1 turns it on.
-WEIGHTS_FIRST_ENV = "TANDEM_GEMV_WEIGHTS_FIRST"
-
-
-def weights_first_default() -> bool:
-    value = os.environ.get(WEIGHTS_FIRST_ENV, "0")
-    if value not in ("0", "1"):
-        raise ValueError(f"{WEIGHTS_FIRST_ENV}={value!r}: use 0 or 1")
-    return value == "1"
 
 
 @triton.jit
@@ -81,25 +67,18 @@ def _inverse_rms(
 def _project_rows(
     x_ptr, residual_ptr, norm_weight_ptr, w_rows, row_mask, pair_offset, K, rstd,
     NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, PAIRED: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    first=None, first_pair=None, HAS_FIRST: tl.constexpr = False,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):  # fmt: skip
     """(W[rows] @ x, W[rows + pair offset] @ x when PAIRED) in float32; w_rows: (BLOCK_N, 1)
-    pointers to the rows' starts. With HAS_FIRST the first chunk of the rows (and of the pair)
-    is already loaded: first, first_pair (_first_chunk)."""
+    pointers to the rows' starts.
+
+    The chunks' loads are software-pipelined, NUM_STAGES - 1 chunks requested ahead of the one
+    summed (asynchronous copies into shared memory): without it a program has one chunk in
+    flight at a time, and an SM's few programs cannot keep enough bytes in flight to cover the
+    memory latency (Triton pipelines plain loads only in a tl.range that asks for stages)."""
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     acc_pair = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    start = 0
-    if HAS_FIRST:  # the loop's first pass, on the chunk loaded before: the same sums
-        offs = tl.arange(0, BLOCK_K)
-        x = _normalized_chunk(
-            x_ptr, residual_ptr, norm_weight_ptr, offs, offs < K, rstd, NORM, HAS_RESIDUAL
-        )
-        acc += tl.sum(first.to(tl.float32) * x[None, :], axis=1)
-        if PAIRED:
-            acc_pair += tl.sum(first_pair.to(tl.float32) * x[None, :], axis=1)
-        start = BLOCK_K
-    for k0 in range(start, K, BLOCK_K):
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
         offs = k0 + tl.arange(0, BLOCK_K)
         mask = offs < K
         x = _normalized_chunk(
@@ -116,40 +95,20 @@ def _project_rows(
 
 
 @triton.jit
-def _first_chunk(w_rows, row_mask, pair_offset, K, PAIRED: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The rows' first BLOCK_K weights (and their pair's), for _project_rows' HAS_FIRST."""
-    offs = tl.arange(0, BLOCK_K)
-    w_mask = row_mask[:, None] & (offs < K)[None, :]
-    first = tl.load(w_rows + offs[None, :], mask=w_mask, other=0.0, eviction_policy="evict_first")
-    first_pair = first
-    if PAIRED:
-        first_pair = tl.load(w_rows + pair_offset + offs[None, :], mask=w_mask, other=0.0,
-                             eviction_policy="evict_first")
-    return first, first_pair
-
-
-@triton.jit
 def _norm_and_project(
     x_ptr, residual_ptr, norm_weight_ptr, residual_out_ptr, w_rows, row_mask, pair_offset, K,
     eps, write_residual,
     NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, PAIRED: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROW_BLOCK: tl.constexpr,
-    WEIGHTS_FIRST: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
 ):  # fmt: skip
-    """_project_rows of prologue(x), the norm's inverse RMS computed here first. With
-    WEIGHTS_FIRST (and a norm) the first weight chunk is requested before the norm's pass over
-    x: the weights do not depend on it, and the pass's latency then hides behind theirs."""
-    first = tl.zeros((1, 1), dtype=tl.float32)  # placeholders without it
-    first_pair = first
-    if WEIGHTS_FIRST and NORM:
-        first, first_pair = _first_chunk(w_rows, row_mask, pair_offset, K, PAIRED, BLOCK_K)
+    """_project_rows of prologue(x), the norm's inverse RMS computed here first."""
     rstd = 0.0
     if NORM:
         rstd = _inverse_rms(x_ptr, residual_ptr, residual_out_ptr, K, eps, write_residual,
                             HAS_RESIDUAL, ROW_BLOCK)
     return _project_rows(x_ptr, residual_ptr, norm_weight_ptr, w_rows, row_mask, pair_offset,
-                         K, rstd, NORM, HAS_RESIDUAL, PAIRED, BLOCK_N, BLOCK_K, first,
-                         first_pair, WEIGHTS_FIRST and NORM)
+                         K, rstd, NORM, HAS_RESIDUAL, PAIRED, BLOCK_N, BLOCK_K, NUM_STAGES)
 
 
 @triton.jit
@@ -172,7 +131,7 @@ def _gemv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     ROW_BLOCK: tl.constexpr,  # K padded to a power of two: the norm's first pass in one load
-    WEIGHTS_FIRST: tl.constexpr,  # request the first weight chunk before the norm's pass
+    NUM_STAGES: tl.constexpr,  # weight chunks in flight at once, + 1 (_project_rows)
 ):
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -181,7 +140,7 @@ def _gemv_kernel(
     acc, acc_up = _norm_and_project(x_ptr, residual_ptr, norm_weight_ptr, residual_out_ptr,
                                     w_rows, row_mask, N * stride_w, K, eps, pid == 0, NORM,
                                     HAS_RESIDUAL, SILU_MUL, BLOCK_N, BLOCK_K, ROW_BLOCK,
-                                    WEIGHTS_FIRST)
+                                    NUM_STAGES)
     dtype = out_ptr.dtype.element_ty
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
@@ -220,7 +179,7 @@ def _qkv_rotary_kernel(
     BLOCK_N: tl.constexpr,  # rotary pairs a program: BLOCK_N rows from each half of one head
     BLOCK_K: tl.constexpr,
     ROW_BLOCK: tl.constexpr,
-    WEIGHTS_FIRST: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
 ):
     """qkv = W @ RMSNorm(x [+ residual]), then rotary on q and k (neox: element i of a head
     turns with element i + HEAD_DIM / 2, so a program takes rows from both halves), q to
@@ -236,7 +195,7 @@ def _qkv_rotary_kernel(
     first, second = _norm_and_project(x_ptr, residual_ptr, norm_weight_ptr, residual_out_ptr,
                                       w_rows, row_mask, HALF * stride_w, K, eps, pid == 0, True,
                                       HAS_RESIDUAL, True, BLOCK_N, BLOCK_K, ROW_BLOCK,
-                                      WEIGHTS_FIRST)
+                                      NUM_STAGES)
     if HAS_BIAS:
         first += tl.load(bias_ptr + rows).to(tl.float32)
         second += tl.load(bias_ptr + rows + HALF).to(tl.float32)
@@ -267,17 +226,14 @@ def _qkv_rotary_kernel(
 
 def default_config(num_outputs: int, k: int, silu_mul: bool) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps, num_stages), from `python -m workers.layers.tune_gemv` on
-    an H200: a few rows a program (hundreds of programs, so every SM has loads in flight from
-    the start) and long K chunks; more warps for the small matrices, whose time is mostly the
-    ramp up to bandwidth. gate_up (two rows a output) of a wide MLP over a narrow hidden size
-    streams best in shorter chunks of more rows."""
+    an H200 with the chunk loads pipelined: a few rows a program (hundreds of programs, so every
+    SM has loads in flight from the start), 4 warps and 2 chunks requested ahead. gate_up (two
+    rows an output) streams best in short chunks of more rows; the other projections in long
+    chunks, shorter where a narrow input feeds many rows."""
     if silu_mul:
-        block_n, block_k = (16, 512) if k <= 2048 and num_outputs >= 4096 else (4, 1024)
-        return block_n, min(block_k, triton.next_power_of_2(k)), 4, 3
-    block_n = 8 if num_outputs <= 2048 else 4
-    small = k <= 2048 and num_outputs <= 3072
-    num_warps = 8 if block_n == 8 or small else 4
-    return block_n, min(1024, triton.next_power_of_2(k)), num_warps, 3
+        return (16 if num_outputs >= 4096 else 8), min(256, triton.next_power_of_2(k)), 4, 3
+    block_k = 512 if k <= 2048 and num_outputs >= 3072 else 1024
+    return 8, min(block_k, triton.next_power_of_2(k)), 4, 3
 
 
 def check_one_row(x: torch.Tensor, what: str) -> None:
@@ -295,13 +251,11 @@ def gemv(
     eps: float = 0.0,
     silu_mul: bool = False,
     config: tuple[int, int, int, int] | None = None,
-    weights_first: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(out, new residual): out = W @ x with the optional prologue and epilogue of the module
     docstring; the new residual is x + residual when one was given, else None.
 
     x is a single row: the caller takes this path only for decode steps of one sequence.
-    ``weights_first``: see _norm_and_project (None: weights_first_default()).
     """
     check_one_row(x, "gemv")
     k = x.shape[1]
@@ -336,7 +290,7 @@ def gemv(
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         ROW_BLOCK=triton.next_power_of_2(k),
-        WEIGHTS_FIRST=weights_first_default() if weights_first is None else weights_first,
+        NUM_STAGES=num_stages,
         num_warps=num_warps,
         num_stages=num_stages,
     )
@@ -357,12 +311,11 @@ def qkv_rotary_store(
     slot_mapping: torch.Tensor,  # (1,) int64
     num_heads: int,
     config: tuple[int, int, int, int] | None = None,
-    weights_first: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A decode step's attention input for one sequence in one kernel: (q (1, heads, head_dim)
     after rotary, the new residual); k and v, rotary applied to k, are written into the cache
     at the token's slot. The unfused equivalent: add_rms_norm, the qkv matmul, rotary_inplace
-    and store_kv. ``weights_first`` as for gemv."""
+    and store_kv."""
     check_one_row(x, "qkv_rotary_store")
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     k = x.shape[1]
@@ -405,7 +358,7 @@ def qkv_rotary_store(
         BLOCK_N=pairs,
         BLOCK_K=block_k,
         ROW_BLOCK=triton.next_power_of_2(k),
-        WEIGHTS_FIRST=weights_first_default() if weights_first is None else weights_first,
+        NUM_STAGES=num_stages,
         num_warps=num_warps,
         num_stages=num_stages,
     )
