@@ -64,21 +64,31 @@ def _inverse_rms(
 
 
 @triton.jit
-def _project_rows(
-    x_ptr, residual_ptr, norm_weight_ptr, w_rows, row_mask, pair_offset, K, rstd,
+def _norm_and_project(
+    x_ptr, residual_ptr, norm_weight_ptr, residual_out_ptr, w_rows, row_mask, pair_offset, K,
+    eps, write_residual,
     NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, PAIRED: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROW_BLOCK: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
 ):  # fmt: skip
-    """(W[rows] @ x, W[rows + pair offset] @ x when PAIRED) in float32; w_rows: (BLOCK_N, 1)
-    pointers to the rows' starts.
+    """(W[rows] @ prologue(x), W[rows + pair offset] @ prologue(x) when PAIRED) in float32;
+    w_rows: (BLOCK_N, 1) pointers to the rows' starts.
 
     The chunks' loads are software-pipelined, NUM_STAGES - 1 chunks requested ahead of the one
     summed (asynchronous copies into shared memory): without it a program has one chunk in
     flight at a time, and an SM's few programs cannot keep enough bytes in flight to cover the
-    memory latency (Triton pipelines plain loads only in a tl.range that asks for stages)."""
+    memory latency (Triton pipelines plain loads only in a tl.range that asks for stages).
+    The norm's pass over the row runs inside the first step, after the pipeline's prologue has
+    requested the first chunks: the weights do not depend on it, so its latency hides behind
+    theirs instead of coming before them."""
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     acc_pair = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    rstd = 0.0
     for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+        if NORM:  # noqa: SIM102 — a constexpr: kernels without a norm compile no pass
+            if k0 == 0:
+                rstd = _inverse_rms(x_ptr, residual_ptr, residual_out_ptr, K, eps,
+                                    write_residual, HAS_RESIDUAL, ROW_BLOCK)
         offs = k0 + tl.arange(0, BLOCK_K)
         mask = offs < K
         x = _normalized_chunk(
@@ -92,23 +102,6 @@ def _project_rows(
                         eviction_policy="evict_first")
             acc_pair += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
     return acc, acc_pair
-
-
-@triton.jit
-def _norm_and_project(
-    x_ptr, residual_ptr, norm_weight_ptr, residual_out_ptr, w_rows, row_mask, pair_offset, K,
-    eps, write_residual,
-    NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, PAIRED: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROW_BLOCK: tl.constexpr,
-    NUM_STAGES: tl.constexpr,
-):  # fmt: skip
-    """_project_rows of prologue(x), the norm's inverse RMS computed here first."""
-    rstd = 0.0
-    if NORM:
-        rstd = _inverse_rms(x_ptr, residual_ptr, residual_out_ptr, K, eps, write_residual,
-                            HAS_RESIDUAL, ROW_BLOCK)
-    return _project_rows(x_ptr, residual_ptr, norm_weight_ptr, w_rows, row_mask, pair_offset,
-                         K, rstd, NORM, HAS_RESIDUAL, PAIRED, BLOCK_N, BLOCK_K, NUM_STAGES)
 
 
 @triton.jit
