@@ -155,6 +155,9 @@ def test_default_configs_follow_the_h200_sweep():
     assert default_config(7168, 4096, True) == (16, 256, 4, 3)
     assert default_config(8, 100, False)[1] == 128  # K chunks no longer than the row
     assert default_config(8, 100, True)[1] == 128
+    # float32 weights: half as many per chunk, the same bytes
+    assert default_config(2048, 8192, False, itemsize=4) == (8, 512, 4, 3)
+    assert default_config(8192, 2048, True, itemsize=4) == (16, 128, 4, 3)
 
 
 def test_only_fused_models_send_one_row_to_gemv(tiny_models):

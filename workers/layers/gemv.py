@@ -217,16 +217,22 @@ def _qkv_rotary_kernel(
                 tl.store(v_row + HALF, second.to(v_cache_ptr.dtype.element_ty))
 
 
-def default_config(num_outputs: int, k: int, silu_mul: bool) -> tuple[int, int, int, int]:
+def default_config(
+    num_outputs: int, k: int, silu_mul: bool, itemsize: int = 2
+) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps, num_stages), from `python -m workers.layers.tune_gemv` on
-    an H200 with the chunk loads pipelined: a few rows a program (hundreds of programs, so every
-    SM has loads in flight from the start), 4 warps and 2 chunks requested ahead. gate_up (two
-    rows an output) streams best in short chunks of more rows; the other projections in long
-    chunks, shorter where a narrow input feeds many rows."""
+    an H200 with the chunk loads pipelined, bf16: a few rows a program (hundreds of programs, so
+    every SM has loads in flight from the start), 4 warps and 2 chunks requested ahead. gate_up
+    (two rows an output) streams best in short chunks of more rows; the other projections in
+    long chunks, shorter where a narrow input feeds many rows. Wider weights (``itemsize``
+    bytes) take proportionally shorter chunks: the same bytes in flight, and the same shared
+    memory (under 48 KB a program), which GPUs with less of it than the H200 also have."""
     if silu_mul:
-        return (16 if num_outputs >= 4096 else 8), min(256, triton.next_power_of_2(k)), 4, 3
-    block_k = 512 if k <= 2048 and num_outputs >= 3072 else 1024
-    return 8, min(block_k, triton.next_power_of_2(k)), 4, 3
+        block_n, block_k = (16 if num_outputs >= 4096 else 8), 256
+    else:
+        block_n, block_k = 8, (512 if k <= 2048 and num_outputs >= 3072 else 1024)
+    block_k = max(32, block_k * 2 // itemsize)
+    return block_n, min(block_k, triton.next_power_of_2(k)), 4, 3
 
 
 def check_one_row(x: torch.Tensor, what: str) -> None:
@@ -263,7 +269,8 @@ def gemv(
     x = x.contiguous()
     out = torch.empty((1, n), dtype=x.dtype, device=x.device)
     residual_out = torch.empty_like(x) if residual is not None else None
-    block_n, block_k, num_warps, num_stages = config or default_config(n, k, silu_mul)
+    block_n, block_k, num_warps, num_stages = config or default_config(n, k, silu_mul,
+                                                                       weight.element_size())
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x,
         residual.contiguous() if residual is not None else x,
@@ -319,7 +326,8 @@ def qkv_rotary_store(
         raise ValueError("the KV cache must be contiguous")
     if cos.shape != (1, head_dim) or sin.shape != (1, head_dim) or slot_mapping.shape != (1,):
         raise ValueError("cos, sin and slot_mapping must be one token's")
-    block_n, block_k, num_warps, num_stages = config or default_config(rows, k, False)
+    block_n, block_k, num_warps, num_stages = config or default_config(rows, k, False,
+                                                                       weight.element_size())
     pairs = max(1, block_n // 2)  # a program takes `pairs` rows from each half of a head
     if (head_dim // 2) % pairs:
         raise ValueError(f"head_dim {head_dim} does not split into programs of {pairs} pairs")
