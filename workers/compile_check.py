@@ -47,7 +47,7 @@ def specialized_as_aligned(param, value: object) -> bool:
     """Whether Triton's launcher tells the compiler this argument is a multiple of 16 (pointers
     to 16-byte aligned data, integers divisible by 16), as it does at run time: the compiled
     code then vectorizes loads, so the check compiles what the GPU runs."""
-    if param.do_not_specialize or param.do_not_specialize_on_alignment:
+    if param.do_not_specialize or getattr(param, "do_not_specialize_on_alignment", False):
         return False
     if isinstance(value, torch.Tensor):
         return value.data_ptr() % 16 == 0
