@@ -12,12 +12,14 @@ the one before, so the host's per-step work (this scheduler, the step message, r
 is paid once per call instead of once per token. Stops found inside a call drop the tokens
 after them.
 
-Such a call may also ask for one lookahead step (``decode_lookahead``): when every sequence
-certainly goes on past the call (none reaches its ``max_tokens`` or the model's length in it),
-the workers run the first step of the next call as well, into a slot allocated here, while the
-host reads this call's tokens and schedules the next; the next call starts from it if it
-schedules the same sequences at the same positions, else it is dropped (its K/V lies in the
-sequence's own slot and is written again when that position is computed).
+Such a call may also ask for one lookahead step (``decode_lookahead``): when some sequence
+certainly goes on past the call (it does not reach its ``max_tokens`` in it) and every one has
+room in the model's length for one step more, the workers run the first step of the next call
+as well, into a slot allocated here, while the host reads this call's tokens and schedules the
+next. The next call starts from it if each sequence it schedules is one the lookahead stepped,
+at the position it stepped (the rows of sequences that finished meanwhile are dropped: a
+large batch has one finishing in nearly every call); else the lookahead is dropped (its K/V
+lies in the sequence's own slot and is written again when that position is computed).
 """
 
 import time
@@ -104,7 +106,8 @@ class Scheduler:
         """(steps, lookahead): ``decode_steps`` when every running sequence decodes, none
         samples from its history (penalties), nobody waits and the pool holds every slot ahead;
         otherwise 1. The lookahead step (module doc) when it is on, the call has several steps,
-        every sequence outlives the call and the pool also holds the lookahead's slots.
+        some sequence outlives the call, every one has room for a step more in the model's
+        length and the pool also holds the lookahead's slots.
 
         A sequence that reaches its ``max_tokens`` inside a call has its later tokens dropped:
         its row costs nothing extra in a batch that runs anyway, where capping the call by the
@@ -117,14 +120,14 @@ class Scheduler:
         ):
             return 1, False
         needed = 1  # the most tokens any sequence wants
-        shortest = self.config.max_model_len  # the fewest any sequence may still get
+        least_room = self.config.max_model_len  # the fewest tokens the model's length allows
         for seq in running:
             if seq.num_tokens - seq.num_computed_tokens != 1 or seq.params.uses_history:
                 return 1, False
             wanted = seq.params.max_tokens - seq.num_output_tokens
             room = self.config.max_model_len - seq.num_tokens
             needed = max(needed, wanted)
-            shortest = min(shortest, wanted, room)
+            least_room = min(least_room, room)
             steps = min(steps, room)
         steps = max(1, min(steps, needed))
         grow, free = self.kv.num_blocks_to_grow, self.kv.num_free_blocks
@@ -133,7 +136,9 @@ class Scheduler:
             return sum(grow(s.request_id, s.num_computed_tokens + num_slots)
                        for s in running) <= free
 
-        if self.config.decode_lookahead and 1 < steps < shortest and fits(steps + 1):
+        if self.config.decode_lookahead and 1 < steps < min(needed, least_room) and fits(
+            steps + 1
+        ):
             return steps, True
         return (steps, False) if fits(steps) else (1, False)
 

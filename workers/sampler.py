@@ -56,6 +56,14 @@ class SamplerOutput:
     logprob_token_ids: torch.Tensor | None  # (B, 1 + n) int64: sampled token, then top-n ids
     ranks: torch.Tensor | None  # (B,) rank of the sampled token (1 = most likely)
 
+    def rows(self, index: torch.Tensor) -> "SamplerOutput":
+        """The rows ``index`` (on the same device), in its order."""
+        def pick(values: torch.Tensor | None) -> torch.Tensor | None:
+            return values[index] if values is not None else None
+
+        return SamplerOutput(self.token_ids[index], pick(self.logprobs),
+                             pick(self.logprob_token_ids), pick(self.ranks))
+
 
 def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
     """The per-request generator a seeded request keeps across steps."""

@@ -101,9 +101,26 @@ class Lookahead:
     tokens: torch.Tensor  # (B,) on the device: its samples, every rank
     output: SamplerOutput | None  # the driver's; None on other ranks
 
-    def continued_by(self, rows: DecodeRows) -> bool:
-        return rows.request_ids == self.request_ids and np.array_equal(rows.positions,
-                                                                       self.positions)
+    def rows_continued_by(self, rows: DecodeRows) -> np.ndarray | None:
+        """Each of ``rows``' row in this lookahead, when every one continues it (a sequence it
+        stepped, at the position it stepped); else None. The rows of sequences that have
+        finished since are left out."""
+        row_of = {request_id: row for row, request_id in enumerate(self.request_ids)}
+        picks = np.array([row_of.get(request_id, -1) for request_id in rows.request_ids])
+        if (picks < 0).any() or not np.array_equal(self.positions[picks], rows.positions):
+            return None
+        return picks
+
+    def taken_up(self, picks: np.ndarray) -> tuple[torch.Tensor, SamplerOutput | None]:
+        """(tokens, output) of the rows ``picks`` (rows_continued_by), in their order."""
+        if np.array_equal(picks, np.arange(len(self.request_ids))):
+            return self.tokens, self.output
+        index = torch.from_numpy(picks)
+        if self.tokens.is_cuda:  # a blocking copy would wait for the lookahead step itself
+            index = index.pin_memory()
+        index = index.to(self.tokens.device, non_blocking=True)
+        output = self.output.rows(index) if self.output is not None else None
+        return self.tokens[index], output
 
 
 def make_attention_backend(name: str, device: torch.device):
@@ -244,9 +261,9 @@ class Worker:
 
         With ``run_lookahead`` one step more runs after them, the next call's first, kept in
         ``self.lookahead``: it is on the device while the host reads this call's tokens and
-        schedules the next. A call that continues exactly from ``previous`` (the same
-        sequences at its positions; their inputs are then the tokens it was fed) takes it as
-        its first step instead of running it again."""
+        schedules the next. A call that continues from ``previous`` (each of its sequences one
+        that ``previous`` stepped, at the position it stepped; the others have finished) takes
+        those rows of it as its first step instead of running it again."""
         first = build_decode_rows(scheduled, self.states, self.config.block_size)
         if first is None:
             raise ValueError("num_steps > 1 needs a step where every sequence decodes")
@@ -257,10 +274,12 @@ class Worker:
         tokens: torch.Tensor | None = None  # (B,) on the device: the last step's samples
         outputs: list[SamplerOutput] = []
         start = 0
-        if previous is not None and previous.continued_by(first):
-            tokens, start = previous.tokens, 1
-            if previous.output is not None:
-                outputs.append(previous.output)
+        picks = previous.rows_continued_by(first) if previous is not None else None
+        if picks is not None:
+            tokens, taken = previous.taken_up(picks)
+            start = 1
+            if taken is not None:
+                outputs.append(taken)
         total = num_steps + 1 if run_lookahead else num_steps
         read: PendingRead | None = None
         for index in range(start, total):

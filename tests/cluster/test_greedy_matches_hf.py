@@ -5,6 +5,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from cluster import LLM, SamplingParams
+from workers.worker import Lookahead
 
 SHARED = list(range(40, 72))  # a 32-token prefix that several prompts share
 PROMPTS = [
@@ -128,7 +129,8 @@ def test_lookahead_steps_start_the_next_call(tiny_models, expected, name):
 def test_a_lookahead_is_dropped_when_the_batch_changes(tiny_models, expected):
     """A request arriving after a call that looked ahead: the next call is not its
     continuation (a prefill joins), so the lookahead's row is thrown away and computed again;
-    tokens stay those of transformers for both requests."""
+    when a request ends, the other goes on from the lookahead without it. Tokens stay those
+    of transformers for both requests."""
     from cluster.config import EngineConfig
     from cluster.engine import LLMEngine
 
@@ -158,7 +160,9 @@ def test_a_lookahead_is_dropped_when_the_batch_changes(tiny_models, expected):
     plain_tokens, plain_rows, _ = run(False)
     assert pending  # the second call had looked ahead when the request came
     assert tokens == plain_tokens == [expected["llama"][1], expected["llama"][3]]
-    assert rows == plain_rows + 1  # the dropped lookahead row
+    # the dropped lookahead's row, and one row of the call in which the first request ends: it
+    # looks ahead for both (the second goes on), and the next call takes up the second's row
+    assert rows == plain_rows + 2
 
 
 def test_a_call_queues_its_tokens_for_the_host_before_its_lookahead(tiny_models, expected):
@@ -187,17 +191,24 @@ def test_a_call_queues_its_tokens_for_the_host_before_its_lookahead(tiny_models,
                      "step step step read"]
 
 
-def test_aborting_a_request_with_a_lookahead_pending(tiny_models, expected):
+def test_aborting_a_request_with_a_lookahead_pending(tiny_models, expected, monkeypatch):
     """A request aborted after a call that looked ahead for it: its blocks (the lookahead's
-    slot too) go back at once, the next call (the other request alone) drops the lookahead,
-    and the request that stays keeps transformers' tokens."""
+    slot too) go back at once, the next call (the other request alone) takes up the
+    lookahead's row of the request that stays, which keeps transformers' tokens."""
     from cluster.config import EngineConfig
     from cluster.engine import LLMEngine
 
     engine = LLMEngine(EngineConfig(model=str(tiny_models["llama"]), device="cpu",
                                     dtype="float32", block_size=4, num_kv_blocks=256,
                                     decode_steps=5, decode_lookahead=True))
-    worker, tokens = engine.executor.worker, {}
+    worker, tokens, taken = engine.executor.worker, {}, []
+    taken_up = Lookahead.taken_up
+
+    def recording(lookahead, picks):
+        taken.append((list(lookahead.request_ids), picks.tolist()))
+        return taken_up(lookahead, picks)
+
+    monkeypatch.setattr(Lookahead, "taken_up", recording)
 
     def step():
         for out in engine.step():
@@ -209,6 +220,8 @@ def test_aborting_a_request_with_a_lookahead_pending(tiny_models, expected):
         step()
     assert worker.lookahead is not None and set(worker.lookahead.request_ids) == {kept, aborted}
     engine.abort(aborted)
+    step()
+    assert taken == [([kept, aborted], [0])]  # the kept request's row of the lookahead
     while engine.has_unfinished():
         step()
     assert tokens[kept] == expected["llama"][1]

@@ -111,10 +111,30 @@ def test_a_lookahead_step_gets_the_slot_after_the_call():
     sched.kv.check_integrity()
 
 
-def test_no_lookahead_when_a_sequence_may_end_in_the_call_or_the_pool_is_short():
+def test_a_lookahead_when_some_sequence_outlives_the_call():
     sched = make_lookahead()
-    prefill(sched, seq("a", 6, max_tokens=5), seq("b", 3, first=50))
-    output = sched.schedule()  # a wants 4 more tokens: the call may be its last
+    a, b = seq("a", 6, max_tokens=5), seq("b", 3, first=50)
+    prefill(sched, a, b)  # a: 7 tokens, 6 computed in blocks 0, 1; b: 4, 3 computed in block 2
+    output = sched.schedule()  # a wants 4 more tokens: the call is its last, not b's
+    assert (output.num_steps, output.lookahead) == (4, True)
+    # a computes 6..9 and looks ahead to 10 (block 3: 8..11); b computes 3..6 and looks ahead
+    # to 7 (block 4: 4..7)
+    assert [(s.seq.request_id, s.new_block_ids) for s in output.scheduled] == [
+        ("a", [3]), ("b", [4])]
+    finished = sched.update(output, {"a": [1, 2, 3, 4], "b": [5, 6, 7, 8]})
+    assert [(s.request_id, s.finish_reason) for s in finished] == [("a", FinishReason.LENGTH)]
+    assert sched.kv.num_used_blocks == 2  # a's blocks, its lookahead's slot too, are free
+    output = sched.schedule()  # b goes on from its lookahead's position, looking ahead again
+    assert (output.num_steps, output.lookahead) == (4, True)
+    # its next block is 5: blocks freed go to the back of the free queue (cached prefixes)
+    assert [(s.seq.request_id, s.new_block_ids) for s in output.scheduled] == [("b", [5])]
+    sched.kv.check_integrity()
+
+
+def test_no_lookahead_when_every_sequence_may_end_in_the_call_or_the_pool_is_short():
+    sched = make_lookahead()
+    prefill(sched, seq("a", 6, max_tokens=5), seq("b", 3, first=50, max_tokens=4))
+    output = sched.schedule()  # a wants 4 more tokens, b 3: the call may be the last of both
     assert (output.num_steps, output.lookahead) == (4, False)
 
     sched = make_lookahead(max_model_len=11)

@@ -2,7 +2,7 @@
 
 import torch
 
-from workers.sampler import Sampler, SamplingSpec, make_generator
+from workers.sampler import Sampler, SamplerOutput, SamplingSpec, make_generator
 
 GREEDY = SamplingSpec(temperature=0.0)
 
@@ -161,6 +161,19 @@ def test_logprobs_come_from_raw_logits_with_sorted_top_n_and_ranks():
         for row, token in enumerate(out.token_ids.tolist())
     ]
     assert out.ranks.tolist() == expected_ranks
+
+
+def test_rows_of_an_output_keep_every_field_in_the_order_asked():
+    """What a call takes up of a lookahead step when some of its sequences have finished."""
+    out = SamplerOutput(torch.tensor([7, 8, 9]), torch.tensor([[-1.0], [-2.0], [-3.0]]),
+                        torch.tensor([[7], [8], [9]]), torch.tensor([1, 2, 3]))
+    rows = out.rows(torch.tensor([2, 0]))
+    assert rows.token_ids.tolist() == [9, 7]
+    assert rows.logprobs.tolist() == [[-3.0], [-1.0]]
+    assert rows.logprob_token_ids.tolist() == [[9], [7]]
+    assert rows.ranks.tolist() == [3, 1]
+    plain = SamplerOutput(torch.tensor([7, 8]), None, None, None).rows(torch.tensor([1]))
+    assert plain.token_ids.tolist() == [8] and plain.logprobs is plain.ranks is None
 
 
 def test_mixed_batch_of_greedy_and_sampled_rows():
