@@ -21,7 +21,7 @@ SHAPES = {  # name: (query heads, kv heads, head_dim, batch, shortest, longest c
     "qwen3-0.6b W2 mix": (16, 8, 128, 128, 200, 2000),
     "llama-3.2-1b batch 64": (32, 8, 64, 64, 900, 1300),
 }
-BLOCK_N, NUM_WARPS, NUM_STAGES = (32, 64, 128), (2, 4, 8), (2, 3)
+BLOCK_N, NUM_WARPS, NUM_STAGES = (32, 64, 128), (4, 8), (2, 3, 5, 6)
 SPLITS = (1, 2, 4, 8)
 
 
