@@ -93,7 +93,8 @@ def call(what: str, wrapper: Callable, *args, **kwargs) -> None:
 def compile_all() -> None:
     """Each kernel's wrapper called as the models call it."""
     from workers.greedy import greedy_tokens
-    from workers.layers.fused_kernels import add_rms_norm, rms_norm, rotary_inplace, silu_and_mul
+    from workers.layers.attention_input import attention_input
+    from workers.layers.fused_kernels import add_rms_norm, rms_norm, silu_and_mul
     from workers.layers.gemv import gemv, qkv_rotary_store
 
     # (hidden, heads, kv heads, head_dim, intermediate): Llama-3.2-1B, Qwen3-0.6B, 8B at TP 2
@@ -122,11 +123,17 @@ def compile_all() -> None:
         call("qkv + rotary + store, first layer, bias", qkv_rotary_store, x, qkv_w,
              zeros(len(qkv_w)), None, norm, 1e-5, *rotary_args)
         h, qkv = zeros(64, hidden), zeros(64, heads + 2 * kv_heads, head_dim)
-        q, k = qkv[:, :heads], qkv[:, heads : heads + kv_heads]
+        q = qkv[:, :heads]
         call("rms_norm", rms_norm, h, norm, 1e-5)
         call("rms_norm of heads", rms_norm, q, norm[:head_dim], 1e-6)
         call("add_rms_norm", add_rms_norm, h, h, norm, 1e-5)
-        call("rotary", rotary_inplace, q, k, zeros(64, head_dim), zeros(64, head_dim))
+        cache = zeros(8, 16, kv_heads, head_dim)
+        slots = torch.zeros(64, dtype=torch.int64)
+        call("attention input", attention_input, qkv.flatten(1), heads, zeros(64, head_dim),
+             zeros(64, head_dim), cache, cache, slots)
+        call("attention input, per-head norms", attention_input, qkv.flatten(1), heads,
+             zeros(64, head_dim), zeros(64, head_dim), cache, cache, slots, norm[:head_dim],
+             norm[:head_dim], eps=1e-6)
         call("silu_and_mul", silu_and_mul, zeros(64, 2 * inter))
         compile_attention(zeros, heads, kv_heads, head_dim)
     for vocab in (128256, 151936):  # Llama 3's and Qwen3's; the sampler's logits are float32

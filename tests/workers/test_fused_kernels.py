@@ -19,12 +19,10 @@ from workers.attention.triton_backend import TritonAttentionBackend  # noqa: E40
 from workers.layers.fused_kernels import (  # noqa: E402
     add_rms_norm,
     rms_norm,
-    rotary_inplace,
     silu_and_mul,
 )
 from workers.layers.norm import RMSNorm  # noqa: E402
 from workers.layers.parallel import TensorParallelGroup  # noqa: E402
-from workers.layers.rotary import apply_rotary  # noqa: E402
 from workers.loader import fused_kernels_by_default, load_model  # noqa: E402
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -81,21 +79,6 @@ def cos_sin(num_tokens: int, head_dim: int, dtype):
     freqs = torch.arange(3, 3 + num_tokens).float()[:, None] * inv_freq  # (T, head_dim/2)
     emb = torch.cat((freqs, freqs), dim=-1)  # (T, head_dim)
     return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("head_dim", [32, 24])  # 24: a half of 12, padded to 16
-def test_rotary_in_place_on_qkv_views(dtype, head_dim):
-    heads, kv_heads, num_tokens = 4, 2, 5
-    qkv = randn(num_tokens, heads + 2 * kv_heads, head_dim, dtype=dtype)
-    q, k, v = qkv[:, :heads], qkv[:, heads : heads + kv_heads], qkv[:, heads + kv_heads :]
-    cos, sin = cos_sin(num_tokens, head_dim, dtype)
-    expected_q, expected_k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-    v_before = v.clone()
-    rotary_inplace(q, k, cos, sin)
-    assert_close(q, expected_q, dtype)
-    assert_close(k, expected_k, dtype)
-    assert torch.equal(v, v_before)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -5,10 +5,10 @@ import os
 import subprocess
 import sys
 
-KERNELS = ("_gemv_kernel", "_qkv_rotary_kernel", "_rms_norm_kernel", "_rotary_kernel",
-           "_silu_and_mul_kernel", "_store_kv_kernel", "_extend_kernel", "_decode_split_kernel",
-           "_decode_reduce_kernel", "_chunk_max_kernel", "_row_max_kernel",
-           "_push_all_reduce_kernel")
+KERNELS = ("_gemv_kernel", "_qkv_rotary_kernel", "_rms_norm_kernel",
+           "_attention_input_kernel", "_silu_and_mul_kernel", "_store_kv_kernel",
+           "_extend_kernel", "_decode_split_kernel", "_decode_reduce_kernel",
+           "_chunk_max_kernel", "_row_max_kernel", "_push_all_reduce_kernel")
 
 
 def test_every_kernel_compiles_for_sm_90():

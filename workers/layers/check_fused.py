@@ -16,7 +16,8 @@ from transformers import LlamaConfig, Qwen3Config
 
 from workers.attention.metadata import AttentionMetadata
 from workers.attention.triton_backend import TritonAttentionBackend
-from workers.layers.fused_kernels import add_rms_norm, rms_norm, rotary_inplace, silu_and_mul
+from workers.layers.attention_input import attention_input
+from workers.layers.fused_kernels import add_rms_norm, rms_norm, silu_and_mul
 from workers.layers.norm import RMSNorm
 from workers.layers.parallel import TensorParallelGroup
 from workers.layers.rotary import RotaryEmbedding, apply_rotary
@@ -63,18 +64,23 @@ def check_kernels(dtype: torch.dtype, num_tokens: int, device: str = "cuda") -> 
     q = qkv[:, :heads]
     torch.testing.assert_close(rms_norm(q, head_norm.weight, 1e-6), head_norm(q), **tol)
 
-    heads, kv_heads, head_dim = 32, 8, 64  # Llama-3.2-1B's rotary, in place on qkv views
+    heads, kv_heads, head_dim = 16, 8, 128  # Qwen3-0.6B's attention input: norms, rotary, store
     qkv = randn(num_tokens, heads + 2 * kv_heads, head_dim, dtype=dtype)
     q, k, v = qkv[:, :heads], qkv[:, heads : heads + kv_heads], qkv[:, heads + kv_heads :]
     positions = torch.randint(0, 8192, (num_tokens,), device=device)
     with torch.device(device):
-        cos, sin = RotaryEmbedding(LLAMA_1B, head_dim)(positions, dtype)
-    expected_q, expected_k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-    v_before = v.clone()
-    rotary_inplace(q, k, cos, sin)
-    torch.testing.assert_close(q, expected_q, **tol)
-    torch.testing.assert_close(k, expected_k, **tol)
-    assert torch.equal(v, v_before), "rotary wrote into v"
+        cos, sin = RotaryEmbedding(QWEN3_06B, head_dim)(positions, dtype)
+    k_norm = RMSNorm(head_dim, 1e-6).to(device, dtype)
+    k_norm.weight.data = 1 + 0.1 * randn(head_dim, dtype=dtype)
+    expected_q = apply_rotary(head_norm(q), cos, sin)
+    expected_k = apply_rotary(k_norm(k), cos, sin)
+    caches = torch.zeros(2, num_tokens, 1, kv_heads, head_dim, device=device, dtype=dtype)
+    slots = torch.arange(num_tokens, device=device)
+    got_q = attention_input(qkv.flatten(1), heads, cos, sin, caches[0], caches[1], slots,
+                            head_norm.weight, k_norm.weight, eps=1e-6)
+    torch.testing.assert_close(got_q, expected_q, **tol)
+    torch.testing.assert_close(caches[0, :, 0], expected_k, **tol)
+    assert torch.equal(caches[1, :, 0], v), "v was not stored as it is"
 
     gate_up = 3 * randn(num_tokens, 2 * LLAMA_1B.intermediate_size, dtype=dtype)
     gate, up = gate_up.chunk(2, dim=-1)

@@ -1,5 +1,5 @@
-"""Triton kernels that fuse a decoder layer's small elementwise steps: residual-add + RMSNorm,
-rotary on q and k in place, and SiLU(gate) * up.
+"""Triton kernels that fuse a decoder layer's small elementwise steps: residual-add + RMSNorm
+and SiLU(gate) * up (the attention input's norms, rotary and K/V store: attention_input.py).
 
 In a batch-1 decode step each of these is a handful of 1-2 µs PyTorch kernels (RMSNorm alone is
 seven); here each is one launch. They round where HF's PyTorch code rounds: every intermediate
@@ -86,78 +86,6 @@ def add_rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x, residual: (T, N) → (RMSNorm(x + residual), x + residual), both new tensors."""
     return _launch_rms_norm(x, residual, weight, eps)
-
-
-@triton.jit
-def _rotate_heads(
-    base_ptr, stride_h, num_heads, cos, sin, offs_d, HALF: tl.constexpr, BLOCK_H: tl.constexpr
-):
-    heads = tl.arange(0, BLOCK_H)
-    mask = (heads[:, None] < num_heads) & (offs_d[None, :] < HALF)
-    first = base_ptr + heads[:, None] * stride_h + offs_d[None, :]  # (BLOCK_H, BLOCK_D)
-    x1 = tl.load(first, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(first + HALF, mask=mask, other=0.0).to(tl.float32)
-    # x * cos + rotate_half(x) * sin, with rotate_half(x) = cat(-x2, x1)
-    tl.store(first, (x1 * cos - x2 * sin).to(base_ptr.dtype.element_ty), mask=mask)
-    tl.store(first + HALF, (x2 * cos + x1 * sin).to(base_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _rotary_kernel(
-    q_ptr,  # (T, q_heads, head_dim), last stride 1
-    k_ptr,  # (T, k_heads, head_dim), last stride 1
-    cos_ptr,  # (T, head_dim): both halves equal, only the first is read
-    sin_ptr,
-    stride_qt,
-    stride_qh,
-    stride_kt,
-    stride_kh,
-    stride_cos,
-    stride_sin,
-    num_q_heads,
-    num_k_heads,
-    HALF: tl.constexpr,  # head_dim / 2
-    BLOCK_D: tl.constexpr,  # HALF padded to a power of two
-    BLOCK_H: tl.constexpr,  # max(q_heads, k_heads) padded to a power of two
-):
-    token = tl.program_id(0).to(tl.int64)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_mask = offs_d < HALF
-    cos = tl.load(cos_ptr + token * stride_cos + offs_d, mask=d_mask, other=0.0).to(tl.float32)
-    sin = tl.load(sin_ptr + token * stride_sin + offs_d, mask=d_mask, other=0.0).to(tl.float32)
-    cos, sin = cos[None, :], sin[None, :]  # (1, BLOCK_D): the same for every head
-    q_row, k_row = q_ptr + token * stride_qt, k_ptr + token * stride_kt
-    _rotate_heads(q_row, stride_qh, num_q_heads, cos, sin, offs_d, HALF, BLOCK_H)
-    _rotate_heads(k_row, stride_kh, num_k_heads, cos, sin, offs_d, HALF, BLOCK_H)
-
-
-def rotary_inplace(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
-    """Neox-style rotary (HF ``rotate_half``) on q (T, heads, head_dim) and k (T, kv_heads,
-    head_dim) in place, e.g. strided views of the fused qkv output; cos, sin: (T, head_dim)."""
-    num_tokens, num_q_heads, head_dim = q.shape
-    num_k_heads = k.shape[1]
-    if num_tokens == 0:
-        return
-    assert q.stride(2) == 1 and k.stride(2) == 1 and cos.stride(1) == 1 and sin.stride(1) == 1
-    assert head_dim % 2 == 0 and k.shape[0] == num_tokens and cos.shape == (num_tokens, head_dim)
-    half = head_dim // 2
-    _rotary_kernel[(num_tokens,)](
-        q,
-        k,
-        cos,
-        sin,
-        q.stride(0),
-        q.stride(1),
-        k.stride(0),
-        k.stride(1),
-        cos.stride(0),
-        sin.stride(0),
-        num_q_heads,
-        num_k_heads,
-        HALF=half,
-        BLOCK_D=triton.next_power_of_2(half),
-        BLOCK_H=triton.next_power_of_2(max(num_q_heads, num_k_heads)),
-    )
 
 
 @triton.jit

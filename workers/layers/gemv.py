@@ -314,8 +314,8 @@ def qkv_rotary_store(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A decode step's attention input for one sequence in one kernel: (q (1, heads, head_dim)
     after rotary, the new residual); k and v, rotary applied to k, are written into the cache
-    at the token's slot. The unfused equivalent: add_rms_norm, the qkv matmul, rotary_inplace
-    and store_kv."""
+    at the token's slot. The unfused equivalent: add_rms_norm, the qkv matmul and
+    attention_input (rotary and the K/V store)."""
     check_one_row(x, "qkv_rotary_store")
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     k = x.shape[1]

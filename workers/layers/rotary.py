@@ -87,14 +87,3 @@ class RotaryEmbedding(nn.Module):
         freqs = positions[:, None].float() * self.inv_freq.to(positions.device)  # (T, head_dim/2)
         emb = torch.cat((freqs, freqs), dim=-1)  # (T, head_dim)
         return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def apply_rotary_inplace(
-    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-) -> None:
-    """apply_rotary on q (T, heads, head_dim) and k (T, kv_heads, head_dim) at once, in place, in
-    one Triton kernel; float32 inside, rounded once to q's dtype."""
-    # imported here: models built without the fused kernels must not need Triton
-    from workers.layers.fused_kernels import rotary_inplace
-
-    rotary_inplace(q, k, cos, sin)

@@ -31,7 +31,7 @@ from workers.layers.linear import (
 )
 from workers.layers.norm import FusedRMSNorm, RMSNorm
 from workers.layers.parallel import TensorParallelGroup
-from workers.layers.rotary import RotaryEmbedding, apply_rotary, apply_rotary_inplace
+from workers.layers.rotary import RotaryEmbedding, apply_rotary
 
 # (fused parameter, checkpoint name, shard id): checkpoint tensors that load into a slice
 STACKED_PARAMS = (
@@ -128,6 +128,16 @@ class LlamaAttention(nn.Module):
 
     def attend(self, qkv, cos, sin, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         """qkv: (T, (local_heads + 2 * local_kv_heads) * head_dim) → o_proj's output."""
+        if self.fused:
+            # imported here: models built without the fused kernels must not need Triton
+            from workers.layers.attention_input import attention_input
+
+            norms = (self.q_norm.weight, self.k_norm.weight) if self.q_norm else (None, None)
+            q = attention_input(qkv, self.qkv_proj.num_local_heads, cos, sin, k_cache, v_cache,
+                                meta.slot_mapping, *norms,
+                                eps=self.q_norm.eps if self.q_norm else 0.0)
+            out = self.backend.attend(q, k_cache, v_cache, meta, scale=self.scale)
+            return self.o_proj(out.flatten(1))
         sizes = [self.qkv_proj.q_size, self.qkv_proj.kv_size, self.qkv_proj.kv_size]
         q, k, v = qkv.split(sizes, dim=-1)
         q = q.view(-1, self.qkv_proj.num_local_heads, self.head_dim)  # (T, heads, head_dim)
@@ -135,10 +145,7 @@ class LlamaAttention(nn.Module):
         v = v.view(-1, self.qkv_proj.num_local_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        if self.fused:
-            apply_rotary_inplace(q, k, cos, sin)  # q, k: views of qkv (or the norms' outputs)
-        else:
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = self.backend.forward(q, k, v, k_cache, v_cache, meta, scale=self.scale)
         return self.o_proj(out.flatten(1))  # (T, heads, head_dim) → (T, hidden)
 

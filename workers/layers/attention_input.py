@@ -1,0 +1,168 @@
+"""A batch's attention input in one kernel: from the qkv projection's output to q for the
+attention kernel and k, v in the paged cache.
+
+Unfused, a layer takes four launches between its qkv matmul and its attention: RMSNorm of the
+q heads and of the k heads (Qwen3's per-head norms), rotary on both, and the K/V store. Each is
+a few µs of ramp for a few KB a token, and a decode step at W2's batch runs them 28 times. Here
+one program per token reads the token's row of the qkv output once::
+
+    qkv row:  [ q heads | k heads | v heads ]
+    q heads   -> (norm) -> rotary -> q_out[token]
+    k heads   -> (norm) -> rotary -> k_cache[slot]
+    v heads   ------------------- -> v_cache[slot]       (nothing stored for a slot below 0)
+
+It rounds where the plain layers round (the norm's output, rotary's output, the cache's
+dtype), so the two agree as far as summation order allows.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _normed_rotated_heads(
+    row_ptr, norm_ptr, cos, sin, eps, num_heads,
+    QK_NORM: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_HALF: tl.constexpr,
+):  # fmt: skip
+    """(first halves, second halves) of num_heads heads starting at row_ptr, each
+    (BLOCK_H, BLOCK_HALF) in the activation dtype: RMSNorm'd with norm_ptr's weight when QK_NORM,
+    then turned by rotary (cos, sin: (1, BLOCK_HALF) float32)."""
+    HALF: tl.constexpr = HEAD_DIM // 2
+    dtype = row_ptr.dtype.element_ty
+    heads = tl.arange(0, BLOCK_H)[:, None]
+    offs = tl.arange(0, BLOCK_HALF)[None, :]
+    mask = (heads < num_heads) & (offs < HALF)
+    first = row_ptr + heads * HEAD_DIM + offs
+    x1 = tl.load(first, mask=mask, other=0.0)
+    x2 = tl.load(first + HALF, mask=mask, other=0.0)
+    if QK_NORM:
+        # the row's sum of squares over the whole head, as _rms_norm_kernel takes it
+        offs_d = tl.arange(0, BLOCK_D)[None, :]
+        whole = tl.load(row_ptr + heads * HEAD_DIM + offs_d,
+                        mask=(heads < num_heads) & (offs_d < HEAD_DIM), other=0.0)
+        whole = whole.to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(whole * whole, axis=1) / HEAD_DIM + eps)[:, None]
+        w1 = tl.load(norm_ptr + offs, mask=offs < HALF, other=0.0).to(tl.float32)
+        w2 = tl.load(norm_ptr + HALF + offs, mask=offs < HALF, other=0.0).to(tl.float32)
+        x1 = (w1 * (x1.to(tl.float32) * rstd).to(dtype).to(tl.float32)).to(dtype)
+        x2 = (w2 * (x2.to(tl.float32) * rstd).to(dtype).to(tl.float32)).to(dtype)
+    x1, x2 = x1.to(tl.float32), x2.to(tl.float32)
+    # x * cos + rotate_half(x) * sin, with rotate_half(x) = cat(-x2, x1)
+    return (x1 * cos - x2 * sin).to(dtype), (x2 * cos + x1 * sin).to(dtype)
+
+
+@triton.jit
+def _attention_input_kernel(
+    qkv_ptr,  # (T, (heads + 2 * kv_heads) * HEAD_DIM), row stride stride_t: q, k, v heads
+    q_norm_ptr,  # (HEAD_DIM,) when QK_NORM
+    k_norm_ptr,
+    cos_ptr,  # (T, HEAD_DIM): both halves equal, the first is read
+    sin_ptr,
+    q_out_ptr,  # (T, heads, HEAD_DIM), contiguous
+    k_cache_ptr,  # (num_blocks, block_size, kv_heads, HEAD_DIM), contiguous
+    v_cache_ptr,
+    slot_ptr,  # (T,) int64, below 0 for a padding token
+    stride_t,
+    stride_cos,
+    stride_sin,
+    eps,
+    num_heads,
+    num_kv_heads,
+    QK_NORM: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_Q: tl.constexpr,  # heads padded to a power of two
+    BLOCK_KV: tl.constexpr,  # kv_heads padded to a power of two
+    BLOCK_D: tl.constexpr,  # HEAD_DIM padded to a power of two
+    BLOCK_HALF: tl.constexpr,  # HEAD_DIM / 2 padded to a power of two
+):
+    HALF: tl.constexpr = HEAD_DIM // 2
+    token = tl.program_id(0).to(tl.int64)
+    row = qkv_ptr + token * stride_t
+    offs = tl.arange(0, BLOCK_HALF)[None, :]
+    cos = tl.load(cos_ptr + token * stride_cos + offs, mask=offs < HALF, other=0.0)
+    sin = tl.load(sin_ptr + token * stride_sin + offs, mask=offs < HALF, other=0.0)
+    cos, sin = cos.to(tl.float32), sin.to(tl.float32)
+
+    q1, q2 = _normed_rotated_heads(row, q_norm_ptr, cos, sin, eps, num_heads, QK_NORM,
+                                   HEAD_DIM, BLOCK_Q, BLOCK_D, BLOCK_HALF)
+    heads = tl.arange(0, BLOCK_Q)[:, None]
+    q_row = q_out_ptr + (token * num_heads + heads) * HEAD_DIM + offs
+    q_mask = (heads < num_heads) & (offs < HALF)
+    tl.store(q_row, q1, mask=q_mask)
+    tl.store(q_row + HALF, q2, mask=q_mask)
+
+    slot = tl.load(slot_ptr + token).to(tl.int64)
+    if slot >= 0:
+        k_row = row + num_heads * HEAD_DIM
+        k1, k2 = _normed_rotated_heads(k_row, k_norm_ptr, cos, sin, eps, num_kv_heads, QK_NORM,
+                                       HEAD_DIM, BLOCK_KV, BLOCK_D, BLOCK_HALF)
+        kv_heads = tl.arange(0, BLOCK_KV)[:, None]
+        # int64: a large cache holds more than 2**31 elements
+        cache_row = (slot * num_kv_heads + kv_heads) * HEAD_DIM
+        kv_mask = (kv_heads < num_kv_heads) & (offs < HALF)
+        k_cache = k_cache_ptr + cache_row + offs
+        tl.store(k_cache, k1.to(k_cache_ptr.dtype.element_ty), mask=kv_mask)
+        tl.store(k_cache + HALF, k2.to(k_cache_ptr.dtype.element_ty), mask=kv_mask)
+        offs_d = tl.arange(0, BLOCK_D)[None, :]
+        v_mask = (kv_heads < num_kv_heads) & (offs_d < HEAD_DIM)
+        v = tl.load(k_row + (num_kv_heads + kv_heads) * HEAD_DIM + offs_d, mask=v_mask)
+        tl.store(v_cache_ptr + cache_row + offs_d, v.to(v_cache_ptr.dtype.element_ty),
+                 mask=v_mask)
+
+
+def attention_input(
+    qkv: torch.Tensor,  # (T, (heads + 2 * kv_heads) * head_dim)
+    num_heads: int,
+    cos: torch.Tensor,  # (T, head_dim)
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,  # (num_blocks, block_size, kv_heads, head_dim), contiguous
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # (T,) int64
+    q_norm: torch.Tensor | None = None,  # (head_dim,) per-head RMSNorm weights (Qwen3)
+    k_norm: torch.Tensor | None = None,
+    eps: float = 0.0,
+) -> torch.Tensor:
+    """q (T, heads, head_dim) for the attention kernel, after the optional per-head norms and
+    rotary; k (normed and turned the same way) and v are written into the cache at each token's
+    slot. The unfused equivalent: rms_norm of the q and k heads, rotary, store_kv."""
+    num_tokens, width = qkv.shape
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    if width != (num_heads + 2 * num_kv_heads) * head_dim or qkv.stride(1) != 1:
+        raise ValueError(f"qkv of shape {tuple(qkv.shape)} does not hold {num_heads} q heads "
+                         f"and {num_kv_heads} k and v heads of {head_dim}")
+    if (q_norm is None) != (k_norm is None):
+        raise ValueError("q and k are normed together or not at all")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("the KV cache must be contiguous")
+    if head_dim % 2 or cos.shape != (num_tokens, head_dim) or sin.shape != cos.shape:
+        raise ValueError(f"cos and sin must be ({num_tokens}, {head_dim}), head_dim even")
+    q = torch.empty((num_tokens, num_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
+    if num_tokens == 0:
+        return q
+    assert cos.stride(1) == 1 and sin.stride(1) == 1
+    _attention_input_kernel[(num_tokens,)](
+        qkv,
+        q_norm if q_norm is not None else qkv,
+        k_norm if k_norm is not None else qkv,
+        cos,
+        sin,
+        q,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        qkv.stride(0),
+        cos.stride(0),
+        sin.stride(0),
+        eps,
+        num_heads,
+        num_kv_heads,
+        QK_NORM=q_norm is not None,
+        HEAD_DIM=head_dim,
+        BLOCK_Q=triton.next_power_of_2(num_heads),
+        BLOCK_KV=triton.next_power_of_2(num_kv_heads),
+        BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_HALF=triton.next_power_of_2(head_dim // 2),
+    )
+    return q
