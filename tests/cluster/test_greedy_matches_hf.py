@@ -165,6 +165,42 @@ def test_a_lookahead_is_dropped_when_the_batch_changes(tiny_models, expected):
     assert rows == plain_rows + 2
 
 
+def test_calls_go_on_from_the_lookahead_without_the_requests_that_ended(tiny_models,
+                                                                        monkeypatch):
+    """Requests of different lengths end in different calls; each call after such an end takes
+    up the lookahead's rows of the requests that go on (their logprobs too), and tokens and
+    logprobs stay those of calls without the lookahead."""
+    picked = []
+    taken_up = Lookahead.taken_up
+
+    def recording(lookahead, picks):
+        picked.append((len(lookahead.request_ids), picks.tolist()))
+        return taken_up(lookahead, picks)
+
+    monkeypatch.setattr(Lookahead, "taken_up", recording)
+    params = [SamplingParams(temperature=0.0, max_tokens=n, logprobs=2) for n in (7, 20, 12)]
+
+    def run(lookahead: bool):
+        llm = LLM(str(tiny_models["llama"]), device="cpu", dtype="float32", block_size=4,
+                  num_kv_blocks=256, decode_steps=4, decode_lookahead=lookahead)
+        outputs = [out.outputs[0] for out in llm.generate(PROMPTS[:3], params)]
+        assert llm.stats().kv_blocks_used == 0
+        llm.engine.scheduler.kv.check_integrity()
+        return outputs
+
+    looked_ahead, plain = run(True), run(False)
+    # after the prefill's token, calls of 4 steps: the first request (7 tokens) ends in the
+    # second call, the third (12) in the third; the calls after those take up only the rows
+    # of the requests that go on; the second request's last call (3 tokens) looks ahead of none
+    assert picked == [(3, [0, 1, 2]), (3, [1, 2]), (2, [0]), (1, [0])]
+    for got, want in zip(looked_ahead, plain, strict=True):
+        assert got.token_ids == want.token_ids
+        assert [[t for t, _ in row] for row in got.logprobs] == [
+            [t for t, _ in row] for row in want.logprobs]
+        assert all(abs(u - v) < 1e-5 for a, b in zip(got.logprobs, want.logprobs, strict=True)
+                   for (_, u), (_, v) in zip(a, b, strict=True))
+
+
 def test_a_call_queues_its_tokens_for_the_host_before_its_lookahead(tiny_models, expected):
     """The host then waits for this call's tokens alone, not for the lookahead behind them:
     that step runs on the device while the host reads and schedules."""
