@@ -136,9 +136,9 @@ class Scheduler:
             return sum(grow(s.request_id, s.num_computed_tokens + num_slots)
                        for s in running) <= free
 
-        if self.config.decode_lookahead and 1 < steps < min(needed, least_room) and fits(
-            steps + 1
-        ):
+        # someone goes on past the call (steps < needed), everyone has a slot for a step more
+        looks_ahead = self.config.decode_lookahead and 1 < steps < min(needed, least_room)
+        if looks_ahead and fits(steps + 1):
             return steps, True
         return (steps, False) if fits(steps) else (1, False)
 

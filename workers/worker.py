@@ -106,7 +106,8 @@ class Lookahead:
         stepped, at the position it stepped); else None. The rows of sequences that have
         finished since are left out."""
         row_of = {request_id: row for row, request_id in enumerate(self.request_ids)}
-        picks = np.array([row_of.get(request_id, -1) for request_id in rows.request_ids])
+        picks = np.array([row_of.get(request_id, -1) for request_id in rows.request_ids],
+                         dtype=np.int64)
         if (picks < 0).any() or not np.array_equal(self.positions[picks], rows.positions):
             return None
         return picks
