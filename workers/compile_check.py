@@ -123,9 +123,7 @@ def compile_all() -> None:
         call("qkv + rotary + store, first layer, bias", qkv_rotary_store, x, qkv_w,
              zeros(len(qkv_w)), None, norm, 1e-5, *rotary_args)
         h, qkv = zeros(64, hidden), zeros(64, heads + 2 * kv_heads, head_dim)
-        q = qkv[:, :heads]
         call("rms_norm", rms_norm, h, norm, 1e-5)
-        call("rms_norm of heads", rms_norm, q, norm[:head_dim], 1e-6)
         call("add_rms_norm", add_rms_norm, h, h, norm, 1e-5)
         cache = zeros(8, 16, kv_heads, head_dim)
         slots = torch.zeros(64, dtype=torch.int64)

@@ -66,14 +66,6 @@ def test_rms_norm_of_hidden_states(dtype):
     assert_close(rms_norm(x, weight, 1e-5), plain_norm(weight, 1e-5)(x), dtype)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_rms_norm_of_heads_in_a_strided_view(dtype):
-    qkv = randn(3, 8, 32, dtype=dtype)  # (T, q_heads + 2 * kv_heads, head_dim)
-    q = qkv[:, :4]  # (T, 4, 32), token stride 8 * 32
-    weight = 1 + 0.2 * randn(32, dtype=dtype, seed=2)
-    assert_close(rms_norm(q, weight, 1e-6), plain_norm(weight, 1e-6)(q), dtype)
-
-
 def cos_sin(num_tokens: int, head_dim: int, dtype):
     inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
     freqs = torch.arange(3, 3 + num_tokens).float()[:, None] * inv_freq  # (T, head_dim/2)
@@ -92,6 +84,14 @@ def test_silu_and_mul(dtype, width):
 def test_empty_batch():
     assert rms_norm(torch.empty(0, 64), torch.ones(64), 1e-6).shape == (0, 64)
     assert silu_and_mul(torch.empty(0, 128)).shape == (0, 64)
+
+
+def test_rms_norm_takes_rows_only():
+    with pytest.raises(ValueError, match=r"RMSNorm takes rows \(T, N\) with the last stride 1, "
+                                         r"got \(2, 3, 64\)"):
+        rms_norm(torch.zeros(2, 3, 64), torch.ones(64), 1e-6)
+    with pytest.raises(ValueError, match=r"residual \(2, 32\) does not match \(2, 64\)"):
+        add_rms_norm(torch.zeros(2, 64), torch.zeros(2, 32), torch.ones(64), 1e-6)
 
 
 def test_fused_by_default_only_on_cuda_with_the_triton_backend():

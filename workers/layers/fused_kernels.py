@@ -13,27 +13,24 @@ import triton.language as tl
 
 @triton.jit
 def _rms_norm_kernel(
-    x_ptr,  # rows of N elements; row r is (token r // num_heads, head r % num_heads)
-    residual_ptr,  # (T, N) when HAS_RESIDUAL
+    x_ptr,  # (T, N), row stride stride_xt
+    residual_ptr,  # (T, N) when HAS_RESIDUAL, row stride stride_rt
     weight_ptr,  # (N,)
-    out_ptr,  # (T * num_heads, N), contiguous
+    out_ptr,  # (T, N), contiguous
     residual_out_ptr,  # (T, N), contiguous, when HAS_RESIDUAL
     stride_xt,
-    stride_xh,
     stride_rt,
-    num_heads,
     N,
     eps,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK_N: tl.constexpr,  # N padded to a power of two
 ):
     row = tl.program_id(0).to(tl.int64)
-    token, head = row // num_heads, row % num_heads
     offs = tl.arange(0, BLOCK_N)
     mask = offs < N
-    x = tl.load(x_ptr + token * stride_xt + head * stride_xh + offs, mask=mask, other=0.0)
+    x = tl.load(x_ptr + row * stride_xt + offs, mask=mask, other=0.0)
     if HAS_RESIDUAL:
-        residual = tl.load(residual_ptr + token * stride_rt + offs, mask=mask, other=0.0)
+        residual = tl.load(residual_ptr + row * stride_rt + offs, mask=mask, other=0.0)
         # HF adds the residual in the activation dtype
         x = (x.to(tl.float32) + residual.to(tl.float32)).to(x_ptr.dtype.element_ty)
         tl.store(residual_out_ptr + row * N + offs, x, mask=mask)
@@ -46,27 +43,25 @@ def _rms_norm_kernel(
 
 
 def _launch_rms_norm(x, residual, weight, eps):
-    x3 = x if x.dim() == 3 else x[:, None, :]  # (T, heads, N): heads is 1 for hidden states
-    num_tokens, num_heads, n = x3.shape
-    assert x3.stride(2) == 1, "the normed dimension must be the innermost one"
+    if x.dim() != 2 or x.stride(1) != 1:
+        raise ValueError(f"RMSNorm takes rows (T, N) with the last stride 1, got {tuple(x.shape)}")
+    num_tokens, n = x.shape
     out = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
     residual_out = None
     if residual is not None:
+        if residual.shape != x.shape or residual.stride(1) != 1:
+            raise ValueError(f"residual {tuple(residual.shape)} does not match {tuple(x.shape)}")
         residual_out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    if num_tokens * num_heads == 0:
+    if num_tokens == 0:
         return out, residual_out
-    if residual is not None:
-        assert residual.shape == x.shape and residual.stride(-1) == 1 and x.dim() == 2
-    _rms_norm_kernel[(num_tokens * num_heads,)](
-        x3,
-        residual if residual is not None else x3,
+    _rms_norm_kernel[(num_tokens,)](
+        x,
+        residual if residual is not None else x,
         weight,
         out,
         residual_out if residual is not None else out,
-        x3.stride(0),
-        x3.stride(1),
+        x.stride(0),
         residual.stride(0) if residual is not None else 0,
-        num_heads,
         n,
         eps,
         HAS_RESIDUAL=residual is not None,
@@ -76,8 +71,7 @@ def _launch_rms_norm(x, residual, weight, eps):
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dimension of x: (T, N) hidden states or (T, heads, N) heads (Qwen3's
-    q_norm / k_norm), any strides with the last one 1. Returns a new contiguous tensor."""
+    """RMSNorm of each row of x (T, N), any row stride. Returns a new contiguous tensor."""
     return _launch_rms_norm(x, None, weight, eps)[0]
 
 

@@ -102,8 +102,9 @@ class LlamaAttention(nn.Module):
             config.num_attention_heads * self.head_dim, config.hidden_size, tp, bias=flavor.o_bias
         )
         eps = config.rms_norm_eps
-        self.q_norm = make_norm(self.head_dim, eps, fused) if flavor.qk_norm else None
-        self.k_norm = make_norm(self.head_dim, eps, fused) if flavor.qk_norm else None
+        # per-head norms: plain modules; fused, the attention-input kernel reads their weights
+        self.q_norm = RMSNorm(self.head_dim, eps) if flavor.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, eps) if flavor.qk_norm else None
 
     def forward(self, hidden, cos, sin, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         return self.attend(self.qkv_proj(hidden), cos, sin, k_cache, v_cache, meta)
