@@ -38,7 +38,7 @@ def _normed_rotated_heads(
     x1 = tl.load(first, mask=mask, other=0.0)
     x2 = tl.load(first + HALF, mask=mask, other=0.0)
     if QK_NORM:
-        # the row's sum of squares over the whole head, as _rms_norm_kernel takes it
+        # the sum of squares over the whole head, as RMSNorm takes it
         offs_d = tl.arange(0, BLOCK_D)[None, :]
         whole = tl.load(row_ptr + heads * HEAD_DIM + offs_d,
                         mask=(heads < num_heads) & (offs_d < HEAD_DIM), other=0.0)
