@@ -164,9 +164,12 @@ def compile_attention(zeros: Callable, heads: int, kv_heads: int, head_dim: int)
     starts = torch.arange(batch + 1, dtype=torch.int32)
     call("store_kv", store_kv, kv, kv, cache, cache, torch.arange(batch))
     call("extend attention", extend_attention, q, cache, cache, starts, lens, tables, 1, 0.1)
+    order = torch.arange(batch, dtype=torch.int32)
     for splits in (1, 2):  # one split and several take different tiles (default_tile)
         call(f"decode attention, {splits} split(s)", decode_attention, q, cache, cache, tables,
              lens, 0.1, splits)
+        call(f"decode attention, {splits} split(s), rows in order", decode_attention, q, cache,
+             cache, tables, lens, 0.1, splits, order=order)
 
 
 def main() -> None:

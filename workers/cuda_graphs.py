@@ -10,6 +10,7 @@ of B rows. A batch of n <= B sequences fills the first n rows; the padding rows 
     rows:       [ seq 0 | seq 1 | ... | seq n-1 | pad ... pad ]     (B rows in all)
     slot:       [  s0   |  s1   | ... |  s_n-1  |  -1 ...  -1 ]
     seq_len:    [  l0   |  l1   | ... |  l_n-1  |   0 ...   0 ]
+    order:      the B rows, longest seq_len first (the padding rows last)
 
 The decode kernel's split count is fixed per bucket at capture (chosen for the longest
 context), since ``max_seq_len`` changes every step and the graph cannot follow it.
@@ -29,7 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from workers.attention.metadata import AttentionMetadata
+from workers.attention.metadata import AttentionMetadata, longest_first
 from workers.attention.triton_backend import num_sms
 from workers.attention.triton_decode import choose_num_splits
 from workers.input_batch import DecodeRows
@@ -38,7 +39,7 @@ from workers.layers.parallel import TensorParallelGroup
 log = logging.getLogger(__name__)
 
 MAX_CAPTURE_SIZE = 256
-NUM_FIELDS = 4  # input_ids, positions, slots, seq_lens; then the block table
+NUM_FIELDS = 5  # input_ids, positions, slots, seq_lens, decode order; then the block table
 MIN_NCCL_FOR_CAPTURE = (2, 9, 6)  # the first NCCL whose collectives a CUDA graph can capture
 
 
@@ -66,10 +67,10 @@ def packed_size(bucket: int, width: int) -> int:
 def pack_padded(rows: DecodeRows, bucket: int, out: np.ndarray | None = None) -> np.ndarray:
     """The step's inputs padded to ``bucket`` rows, as one flat int64 array::
 
-        [ input_ids (B) | positions (B) | slots (B) | seq_lens (B) | block table (B x W) ]
+        [ input_ids (B) | positions (B) | slots (B) | seq_lens (B) | order (B) | table (B x W) ]
 
     W is the widest block table of the step. Padding rows: token 0, position 0, slot -1,
-    seq_len 0, blocks 0.
+    seq_len 0, blocks 0. ``order`` is the decode kernel's row order (``longest_first``).
     """
     n, width = rows.block_tables.shape
     size = packed_size(bucket, width)
@@ -81,6 +82,7 @@ def pack_padded(rows: DecodeRows, bucket: int, out: np.ndarray | None = None) ->
     fields[1, :n] = rows.positions
     fields[2, :n] = rows.slots
     fields[3, :n] = rows.seq_lens
+    fields[4] = longest_first(fields[3])
     table = packed[NUM_FIELDS * bucket :].reshape(bucket, width)
     table[:n] = rows.block_tables
     table[n:] = 0
@@ -95,6 +97,7 @@ class StaticInputs:
     positions: torch.Tensor  # (max_B,) int64
     slot_mapping: torch.Tensor  # (max_B,) int64
     seq_lens: torch.Tensor  # (max_B,) int32
+    decode_order: torch.Tensor  # (max_B,) int32
     block_tables: torch.Tensor  # (max_B, max_blocks) int32
     query_start_loc: torch.Tensor  # (max_B + 1,) int32: 0, 1, 2, ... (one token a row)
 
@@ -105,6 +108,7 @@ class StaticInputs:
 
         return cls(zeros(max_batch), zeros(max_batch), zeros(max_batch).fill_(-1),
                    zeros(max_batch, dtype=torch.int32),
+                   torch.arange(max_batch, dtype=torch.int32, device=device),
                    zeros(max_batch, max_blocks, dtype=torch.int32),
                    torch.arange(max_batch + 1, dtype=torch.int32, device=device))
 
@@ -116,6 +120,7 @@ class StaticInputs:
         self.positions[:bucket].copy_(fields[1])
         self.slot_mapping[:bucket].copy_(fields[2])
         self.seq_lens[:bucket].copy_(fields[3])
+        self.decode_order[:bucket].copy_(fields[4])
         # columns past `width` keep stale blocks: nothing reads past a row's seq_len
         self.block_tables[:bucket, :width].copy_(table.view(bucket, width))
 
@@ -130,6 +135,8 @@ class StaticInputs:
             query_lens_cpu=[1] * bucket,
             seq_lens_cpu=[max_seq_len] * bucket,
             decode_num_splits=num_splits,
+            # one row has nothing to order: its kernel skips the extra load
+            decode_order=self.decode_order[:bucket] if bucket > 1 else None,
         )
 
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from workers.attention.metadata import AttentionMetadata
+from workers.attention.metadata import AttentionMetadata, longest_first
 from workers.request_state import RequestState
 from workers.step_input import ScheduledRequest
 
@@ -94,13 +94,16 @@ def decode_batch(rows: DecodeRows, device: torch.device,
     # the rows' host tokens go only when the device does not already hold the step's tokens
     host_ids = [rows.input_ids] if input_ids is None else []
     *ids, pos, slots = packed_to_device([*host_ids, rows.positions, rows.slots], np.int64, device)
-    qsl, lens, flat_table = packed_to_device(
-        [np.arange(num_seqs + 1), rows.seq_lens, table.ravel()], np.int32, device)
+    # one row has nothing to order: its kernel skips the extra load
+    order = [longest_first(rows.seq_lens)] if num_seqs > 1 else []
+    qsl, lens, flat_table, *order_on_device = packed_to_device(
+        [np.arange(num_seqs + 1), rows.seq_lens, table.ravel(), *order], np.int32, device)
     seq_lens = rows.seq_lens.tolist()
     meta = AttentionMetadata(
         slot_mapping=slots, query_start_loc=qsl, seq_lens=lens,
         block_tables=flat_table.view(table.shape), max_query_len=1, max_seq_len=max(seq_lens),
         query_lens_cpu=[1] * num_seqs, seq_lens_cpu=seq_lens,
+        decode_order=order_on_device[0] if order_on_device else None,
     )
     sample_indices = torch.arange(num_seqs, device=device)
     return InputBatch(ids[0] if input_ids is None else input_ids, pos, meta,

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from workers.cuda_graphs import bucket_for, capture_sizes, pack_padded, packed_size
-from workers.input_batch import build_decode_rows, build_input_batch
+from workers.input_batch import build_decode_rows, build_input_batch, decode_batch
 from workers.request_state import RequestState
 from workers.sampler import SamplingSpec
 from workers.step_input import ScheduledRequest
@@ -58,13 +58,25 @@ def test_pack_padded_layout():
     states, decode = states_and_steps()
     rows = build_decode_rows(decode, states, block_size=4)
     packed = pack_padded(rows, bucket=4)
-    assert packed.size == packed_size(4, 2) == 4 * 4 + 4 * 2
-    fields, table = packed[:16].reshape(4, 4), packed[16:].reshape(4, 2)
+    assert packed.size == packed_size(4, 2) == 5 * 4 + 4 * 2
+    fields, table = packed[:20].reshape(5, 4), packed[20:].reshape(4, 2)
     assert fields[0].tolist() == [10, 3, 0, 0]  # input ids
     assert fields[1].tolist() == [5, 2, 0, 0]  # positions
     assert fields[2].tolist() == [29, 10, -1, -1]  # slots: -1 pads, store_kv skips them
     assert fields[3].tolist() == [6, 3, 0, 0]  # seq lens: 0 pads, attention writes zeros
+    assert fields[4].tolist() == [0, 1, 2, 3]  # decode order: longest first, padding last
     assert table.tolist() == [[3, 7], [2, 0], [0, 0], [0, 0]]
+
+
+def test_decode_order_puts_the_longest_context_first():
+    """Eager and graphed decode steps hand the decode kernel the rows longest first; a step of
+    one row has no order (its kernel skips the load)."""
+    states, decode = states_and_steps()
+    rows = build_decode_rows(decode[::-1], states, block_size=4)  # b (3 tokens), then a (6)
+    assert decode_batch(rows, torch.device("cpu")).meta.decode_order.tolist() == [1, 0]
+    assert pack_padded(rows, bucket=4)[16:20].tolist() == [1, 0, 2, 3]
+    one = build_decode_rows(decode[:1], states, block_size=4)
+    assert decode_batch(one, torch.device("cpu")).meta.decode_order is None
 
 
 def test_pack_padded_reuses_a_buffer_without_stale_rows():

@@ -7,10 +7,11 @@ shuffled, so a kernel that assumes contiguous blocks fails.
 # the interpreter fixture; TRITON_INTERPRET itself is set by conftest.py
 from tests.workers.triton_interpreter import interpreter_fixes  # noqa: F401, I001
 
+import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from workers.attention.metadata import AttentionMetadata  # noqa: E402
+from workers.attention.metadata import AttentionMetadata, longest_first  # noqa: E402
 from workers.attention.reference import ReferenceAttentionBackend, paged_attention  # noqa: E402
 from workers.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 from workers.attention.triton_decode import (  # noqa: E402
@@ -130,6 +131,26 @@ def test_decode_any_split_count_and_padding_row(num_splits):
     assert not got[2].any()
 
 
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_in_any_row_order(num_splits):
+    """The row order only schedules the programs: longest first, or any other permutation,
+    writes each row's own output (the padding row's zeros included)."""
+    q, _, _, k_cache, v_cache, meta = make_batch([40, 130, 9, 77], [1] * 4, 4, 2, 32, 8,
+                                                 torch.float32, seed=3)
+    lens = torch.tensor([40, 130, 9, 0], dtype=torch.int32)  # the last row pads
+    expected = decode_attention(q, k_cache, v_cache, meta.block_tables, lens, 0.125, num_splits)
+    assert longest_first(lens.numpy()).tolist() == [1, 0, 2, 3]
+    for order in (longest_first(lens.numpy()), np.array([3, 1, 0, 2], dtype=np.int32)):
+        got = decode_attention(q, k_cache, v_cache, meta.block_tables, lens, 0.125, num_splits,
+                               order=torch.from_numpy(order))
+        torch.testing.assert_close(got, expected, atol=0, rtol=0)
+    assert not expected[3].any()
+
+
+def test_longest_first_keeps_row_order_among_equal_lengths():
+    assert longest_first(np.array([3, 9, 0, 9, 5])).tolist() == [1, 3, 4, 0, 2]
+
+
 @pytest.mark.parametrize("tile", [(32, 2, 3), (64, 4, 3), (128, 4, 2)])
 @pytest.mark.parametrize("num_splits", [1, 2])
 def test_decode_any_tile(tile, num_splits):
@@ -142,9 +163,11 @@ def test_decode_any_tile(tile, num_splits):
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
 
 
-def test_default_tile_is_wide_for_one_split_only():
-    assert default_tile(1) == (128, 4, 2)
-    assert default_tile(2) == default_tile(8) == (64, 4, 3)
+def test_default_tile_reads_8192_values_a_step_for_one_split_only():
+    assert default_tile(1, 128) == default_tile(1, 80) == (64, 4, 3)  # 80 pads to 128
+    assert default_tile(1, 64) == default_tile(1, 32) == (128, 4, 3)
+    assert default_tile(1, 256) == (32, 4, 3)
+    assert default_tile(2, 64) == default_tile(8, 128) == (64, 4, 3)
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(8, 2), (4, 4), (6, 2)])

@@ -13,6 +13,7 @@ Slot s of the cache is row ``s % block_size`` of block ``s // block_size``.
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -29,6 +30,9 @@ class AttentionMetadata:
     seq_lens_cpu: list[int]
     # a CUDA graph fixes the decode kernel's split count at capture (max_seq_len then varies)
     decode_num_splits: int | None = None
+    # (B,) int32, pure decode of B > 1 rows: the rows longest context first, the order the
+    # decode kernel takes them in (it only schedules; see workers/attention/triton_decode.py)
+    decode_order: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -37,3 +41,9 @@ class AttentionMetadata:
     @property
     def is_pure_decode(self) -> bool:
         return self.max_query_len == 1
+
+
+def longest_first(seq_lens: np.ndarray) -> np.ndarray:
+    """A decode batch's ``decode_order``: its rows by context length, longest first (ties in
+    row order). Padding rows (length 0) come last."""
+    return np.argsort(-seq_lens, kind="stable").astype(np.int32)

@@ -41,9 +41,8 @@ class TritonAttentionBackend:
             num_splits = meta.decode_num_splits or choose_num_splits(
                 meta.num_seqs, k_cache.shape[2], meta.max_seq_len, num_sms(q.device)
             )
-            return decode_attention(
-                q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, num_splits
-            )
+            return decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale,
+                                    num_splits, order=meta.decode_order)
         return extend_attention(
             q,
             k_cache,

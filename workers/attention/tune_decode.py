@@ -1,8 +1,9 @@
 """Sweeps the decode kernel's tile and launch settings at serving shapes (GPU only).
 
 Each configuration is captured in a CUDA graph and timed from a cold L2; the figure is the KV
-read bandwidth it reaches. The shapes are W2's (Qwen3-0.6B heads, a batch of mixed lengths) and
-W3's (Llama-3.2-1B heads, batch 64); the default settings are marked.
+read bandwidth it reaches. The rows run longest first, as the engine orders them. The shapes
+are W2's (Qwen3-0.6B heads, a batch of mixed lengths) and W3's (Llama-3.2-1B heads, batch
+64); the default settings are marked.
 
     python -m workers.attention.tune_decode
 """
@@ -13,6 +14,7 @@ import random
 import torch
 
 from workers.attention.bench_attention import median_ms
+from workers.attention.metadata import longest_first
 from workers.attention.triton_backend import num_sms
 from workers.attention.triton_decode import choose_num_splits, decode_attention, default_tile
 
@@ -45,8 +47,10 @@ def make_inputs(heads: int, kv_heads: int, head_dim: int, batch: int, lo: int, h
 
 
 def time_config(args: tuple, splits: int, block_n: int, warps: int, stages: int) -> float:
+    order = torch.from_numpy(longest_first(args[4].cpu().numpy())).cuda()
+
     def run() -> None:
-        decode_attention(*args, splits, out=out, tile=(block_n, warps, stages))
+        decode_attention(*args, splits, out=out, tile=(block_n, warps, stages), order=order)
 
     out = torch.empty_like(args[0])
     run()  # compiles outside the capture
@@ -74,7 +78,7 @@ def main() -> None:
             except Exception as exc:  # noqa: BLE001 — e.g. out of shared memory: skip it
                 print(f"  {config}: {type(exc).__name__}")
         results.sort()
-        default = default_tile(splits)
+        default = default_tile(splits, head_dim)
         for ms, (block_n, warps, stages) in results[:6] + [r for r in results if r[1] == default]:
             mark = "  <- default" if (block_n, warps, stages) == default else ""
             report(ms, f"block_n {block_n:3} warps {warps} stages {stages}{mark}")
