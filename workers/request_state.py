@@ -1,5 +1,6 @@
 """What a worker remembers of each request between steps."""
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -48,6 +49,24 @@ class RequestState:
             return None
         return self.generator.manual_seed(hash_seed(self.spec.seed,
                                                           len(self.output_token_ids) + offset))
+
+
+class TokenHistory(Sequence[list[int]]):
+    """One list of token ids per request (its prompt, or its output so far), copied out of the
+    state only when read. The sampler reads them for penalties alone; copying every request's
+    prompt at every step took ~2 ms of host time a W2 decode call (225 requests x 8 steps)."""
+
+    def __init__(self, states: Sequence[RequestState],
+                 part: Callable[[RequestState], list[int]]) -> None:
+        self.states, self.part = states, part
+
+    def __len__(self) -> int:
+        return len(self.states)
+
+    def __getitem__(self, index):  # type: ignore[override]
+        if isinstance(index, slice):
+            return [self.part(state) for state in self.states[index]]
+        return self.part(self.states[index])
 
 
 def hash_seed(seed: int, index: int) -> int:

@@ -137,8 +137,9 @@ def row_values(like: torch.Tensor, values: Sequence[float]) -> torch.Tensor:
 
 def padded_ids(rows: Sequence[Sequence[int]], pad: int, device: torch.device) -> torch.Tensor:
     """(B, L) int64 with ragged rows padded by `pad` (an extra column dropped after scatter)."""
-    width = max((len(row) for row in rows), default=0)
-    padded = [list(row) + [pad] * (width - len(row)) for row in rows]
+    lists = [list(row) for row in rows]  # each row read once (rows may copy out on reading)
+    width = max((len(row) for row in lists), default=0)
+    padded = [row + [pad] * (width - len(row)) for row in lists]
     return torch.tensor(padded, dtype=torch.int64).to(device, non_blocking=True)
 
 

@@ -14,7 +14,7 @@ from workers.input_batch import DecodeRows, build_decode_rows, build_input_batch
 from workers.kv_cache import KVCaches, allocate_kv_caches, kv_bytes_per_block
 from workers.layers.parallel import TensorParallelGroup
 from workers.loader import load_model
-from workers.request_state import RequestState
+from workers.request_state import RequestState, TokenHistory
 from workers.sampler import Sampler, SamplerOutput, SamplingSpec
 from workers.step_input import (
     NewRequest,
@@ -342,8 +342,8 @@ class Worker:
         return self.sampler(
             logits,
             [state.spec for state in states],
-            [state.prompt_token_ids for state in states],
-            [state.output_token_ids for state in states],
+            TokenHistory(states, lambda state: state.prompt_token_ids),
+            TokenHistory(states, lambda state: state.output_token_ids),
             [state.generator_for_next_token(offset) for state in states],
         )
 

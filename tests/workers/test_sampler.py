@@ -2,6 +2,7 @@
 
 import torch
 
+from workers.request_state import RequestState, TokenHistory
 from workers.sampler import Sampler, SamplerOutput, SamplingSpec, make_generator
 
 GREEDY = SamplingSpec(temperature=0.0)
@@ -35,6 +36,30 @@ def test_repetition_penalty_divides_positive_and_multiplies_negative_logits():
     assert sample(logits, [spec], prompts=[[0]], outputs=[[1]]).token_ids.tolist() == [0]
     # Without penalty the plain argmax.
     assert sample(logits, [GREEDY], prompts=[[0]]).token_ids.tolist() == [0]
+
+
+def test_penalties_read_the_token_history_of_request_states_only_when_used():
+    """The worker hands the sampler views of its request states: a prompt or output is copied
+    out only for a penalty; a batch without penalties reads none."""
+    logits = torch.tensor([[2.0, 1.5, -0.5, -1.0, 0.1]])
+    reads = []
+    states = [RequestState([0, 3, 1], 2, [], SamplingSpec(), None)]  # prompt [0, 3], output [1]
+
+    def prompt(state):
+        reads.append("prompt")
+        return state.prompt_token_ids
+
+    def output(state):
+        reads.append("output")
+        return state.output_token_ids
+
+    prompts, outputs = TokenHistory(states, prompt), TokenHistory(states, output)
+    assert sample(logits, [GREEDY], prompts, outputs).token_ids.tolist() == [0]
+    assert reads == []
+    spec = SamplingSpec(temperature=0.0, repetition_penalty=2.0)  # tokens 0 and 1 seen
+    assert sample(logits, [spec], prompts, outputs).token_ids.tolist() == [0]  # 1.0 vs 0.75
+    assert sorted(reads) == ["output", "prompt"]
+    assert len(prompts) == 1 and list(prompts) == [[0, 3]] and outputs[0:1] == [[1]]
 
 
 def test_repetition_penalty_makes_a_seen_negative_token_lose():
