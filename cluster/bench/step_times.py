@@ -2,8 +2,9 @@
 
 Runs W2 (or any --shape / --model) through ``LLMEngine.step`` and times every call, split by
 kind: calls that prefill (prompt tokens in the batch), single decode steps and multi-step
-decode calls. Each row: calls, seconds, tokens computed, and time per call. The host part of
-a call is the time outside ``executor.execute`` (scheduler, step message, outputs).
+decode calls; decode calls also by batch size. Each row: calls, seconds, tokens computed, and
+time per call. The host part of a call is the time outside ``executor.execute`` (scheduler,
+step message, outputs).
 """
 
 import argparse
@@ -18,6 +19,13 @@ from cluster.bench.shapes import SHAPES, build_random_model
 from cluster.bench.workloads import throughput_requests
 from workers import triton_compiles
 from workers.catalog import cache_root, resolve_model
+
+BATCH_BOUNDS = (8, 16, 32, 64, 128, 192, 256)  # decode calls are also counted by batch size
+
+
+def batch_bucket(num_seqs: int) -> str:
+    return next((f"<= {bound}" for bound in BATCH_BOUNDS if num_seqs <= bound),
+                f"> {BATCH_BOUNDS[-1]}")
 
 
 def kind_of(step) -> str:
@@ -74,6 +82,8 @@ def trace(llm, requests, profile_kinds: tuple[str, ...] = (), profile_skip: int 
         engine.add_request(request.prompt_token_ids, greedy(request))
     kinds: dict[str, dict] = collections.defaultdict(
         lambda: {"calls": 0, "seconds": 0.0, "execute_s": 0.0, "tokens": 0, "seqs": 0})
+    decode_by_batch: dict[str, dict] = collections.defaultdict(
+        lambda: {"calls": 0, "seconds": 0.0})
     start = time.perf_counter()
     while engine.has_unfinished():
         last.clear()
@@ -88,12 +98,20 @@ def trace(llm, requests, profile_kinds: tuple[str, ...] = (), profile_skip: int 
         kind["seconds"] += time.perf_counter() - before
         for key in ("execute_s", "tokens", "seqs"):
             kind[key] += last[key]
+        if last["kind"].startswith("decode"):
+            by_batch = decode_by_batch[batch_bucket(last["seqs"])]
+            by_batch["calls"] += 1
+            by_batch["seconds"] += time.perf_counter() - before
     engine.executor.execute = execute
     for kind in kinds.values():
         kind["ms_per_call"] = 1e3 * kind["seconds"] / kind["calls"]
         kind["host_ms_per_call"] = 1e3 * (kind["seconds"] - kind["execute_s"]) / kind["calls"]
         kind["mean_batch"] = kind["seqs"] / kind["calls"]
-    return {"seconds": time.perf_counter() - start, "kinds": dict(kinds)}
+    for by_batch in decode_by_batch.values():
+        by_batch["ms_per_call"] = 1e3 * by_batch["seconds"] / by_batch["calls"]
+    return {"seconds": time.perf_counter() - start, "kinds": dict(kinds),
+            "decode_calls_by_batch": dict(sorted(decode_by_batch.items(),
+                                                 key=lambda item: int(item[0].split()[-1])))}
 
 
 def main() -> None:

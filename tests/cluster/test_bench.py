@@ -110,3 +110,22 @@ def test_serve_bench_warms_each_load_up_before_measuring_it():
                     [(12, 16)] * 5 + [(12, 64)] * 40)  # concurrency 5: 8 x 5
     assert [r["requests"] for r in results.values()] == [32, 40]
     assert results["concurrency 5"]["output_tokens"] == 40 * 64
+
+
+def test_step_times_counts_calls_by_kind_and_decode_calls_by_batch(tiny_models):
+    from cluster.bench import step_times
+    from cluster.llm import LLM
+
+    assert [step_times.batch_bucket(n) for n in (1, 8, 9, 130, 256, 300)] == [
+        "<= 8", "<= 8", "<= 16", "<= 192", "<= 256", "> 256"]
+    llm = LLM(model=str(tiny_models["llama"]), device="cpu", num_kv_blocks=64, decode_steps=4,
+              max_num_batched_tokens=64)
+    requests = [workloads.Request([1, 2, 3], 9), workloads.Request([4] * 10, 5)]
+    traced = step_times.trace(llm, requests)
+    kinds = traced["kinds"]
+    # one prefill call for both prompts (a token each), then calls of 4 decode steps: the
+    # first for both (the 5-token request ends there), the second for the 9-token one alone
+    assert {name: (kind["calls"], kind["seqs"], kind["tokens"]) for name, kind in kinds.items()} \
+        == {"prefill (with decodes)": (1, 2, 13), "decode x4": (2, 3, 12)}
+    assert {bucket: by["calls"] for bucket, by in traced["decode_calls_by_batch"].items()} == {
+        "<= 8": 2}
