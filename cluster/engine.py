@@ -27,6 +27,7 @@ from router.sampling_params import SamplingParams
 from router.scheduler import Scheduler, SchedulerConfig
 from router.sequence import FinishReason, Sequence
 from workers.catalog import resolve_model
+from workers.gc_freeze import freeze_start_up_objects, unfreeze
 from workers.loader import load_config
 from workers.worker import WorkerConfig
 
@@ -80,6 +81,7 @@ class LLMEngine:
         self.seq_to_request: dict[str, str] = {}
         self._ids = itertools.count()
         self.metrics = EngineMetrics()
+        freeze_start_up_objects()  # full collections would walk all of the above each time
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -267,3 +269,4 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         self.executor.shutdown()
+        unfreeze()  # what the engine leaves in reference cycles can be collected again

@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from workers.attention.reference import ReferenceAttentionBackend
+from workers.gc_freeze import freeze_start_up_objects
 from workers.input_batch import DecodeRows, build_decode_rows, build_input_batch, decode_batch
 from workers.kv_cache import KVCaches, allocate_kv_caches, kv_bytes_per_block
 from workers.layers.parallel import TensorParallelGroup
@@ -215,6 +216,9 @@ class Worker:
                                      max_model_len, self.config.block_size, self.device),
                 self.tp, self.device,
             )
+        # a worker's start-up ends here: in a process of its own (a Ray actor) nothing else
+        # freezes its model and graphs (workers/gc_freeze.py)
+        freeze_start_up_objects()
 
     def _allocate_kv_cache(self, num_blocks: int) -> None:
         self.graphs = None  # graphs hold the old cache's addresses
