@@ -4,13 +4,17 @@ Runs W2 (or any --shape / --model) through ``LLMEngine.step`` and times every ca
 kind: calls that prefill (prompt tokens in the batch), single decode steps and multi-step
 decode calls; decode calls also by batch size. Each row: calls, seconds, tokens computed, and
 time per call. The host part of a call is the time outside ``executor.execute`` (scheduler,
-step message, outputs).
+step message, outputs). On a GPU, ``gpu_idle_before_s`` is how long the device waited for
+the host between the last call and this kind of call (events on the device's clock, see
+``idle_before``).
 """
 
 import argparse
 import collections
+import itertools
 import json
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -26,6 +30,23 @@ BATCH_BOUNDS = (8, 16, 32, 64, 128, 192, 256)  # decode calls are also counted b
 def batch_bucket(num_seqs: int) -> str:
     return next((f"<= {bound}" for bound in BATCH_BOUNDS if num_seqs <= bound),
                 f"> {BATCH_BOUNDS[-1]}")
+
+
+def idle_before(marks: list[tuple[str, object, object] | None],
+                elapsed_ms: Callable[[object, object], float]) -> dict[str, float]:
+    """Seconds the device sat idle before each kind of call, summed. ``marks``: per call, in
+    order, (kind, an event recorded as the call began, one recorded as it returned), or None
+    for a call left out (profiled), which breaks the chain. The
+    device passes a call's first event as soon as it has finished what was queued before it,
+    so from the previous call's last event to this one's first is how long the device had
+    nothing to run: 0 when work was still queued (it passes both at once). A lower bound: the
+    call's first kernel comes after the host has built its inputs."""
+    idle: dict[str, float] = collections.defaultdict(float)
+    for before, mark in itertools.pairwise(marks):
+        if before is not None and mark is not None:
+            kind, start, _ = mark
+            idle[kind] += max(0.0, elapsed_ms(before[2], start)) / 1e3
+    return dict(idle)
 
 
 def kind_of(step) -> str:
@@ -62,6 +83,14 @@ def trace(llm, requests, profile_kinds: tuple[str, ...] = (), profile_skip: int 
     execute = engine.executor.execute
     last: dict = {}
     to_profile = dict.fromkeys(profile_kinds, profile_skip)
+    on_gpu = torch.cuda.is_available()
+    # (kind, event at its start, at its return) a call; None for a profiled one
+    marks: list[tuple[str, object, object] | None] = []
+
+    def event():
+        mark = torch.cuda.Event(enable_timing=True)
+        mark.record()
+        return mark
 
     def timed_execute(step):
         kind = kind_of(step)
@@ -69,9 +98,12 @@ def trace(llm, requests, profile_kinds: tuple[str, ...] = (), profile_skip: int 
             to_profile[kind] -= 1
             if to_profile[kind] < 0:
                 del to_profile[kind]
+                marks.append(None)
                 return profiled(execute, step)  # leaves `last` empty: not counted
-        start = time.perf_counter()
+        start, began = time.perf_counter(), event() if on_gpu else None
         result = execute(step)
+        if on_gpu:
+            marks.append((kind, began, event()))
         last.update(kind=kind, execute_s=time.perf_counter() - start,
                     tokens=sum(item.num_new_tokens for item in step.scheduled) * step.num_steps,
                     seqs=len(step.scheduled))
@@ -109,6 +141,10 @@ def trace(llm, requests, profile_kinds: tuple[str, ...] = (), profile_skip: int 
         kind["mean_batch"] = kind["seqs"] / kind["calls"]
     for by_batch in decode_by_batch.values():
         by_batch["ms_per_call"] = 1e3 * by_batch["seconds"] / by_batch["calls"]
+    if on_gpu:
+        torch.cuda.synchronize()
+        for kind, seconds in idle_before(marks, lambda a, b: a.elapsed_time(b)).items():
+            kinds[kind]["gpu_idle_before_s"] = seconds
     return {"seconds": time.perf_counter() - start, "kinds": dict(kinds),
             "decode_calls_by_batch": dict(sorted(decode_by_batch.items(),
                                                  key=lambda item: int(item[0].split()[-1])))}

@@ -112,6 +112,18 @@ def test_serve_bench_warms_each_load_up_before_measuring_it():
     assert results["concurrency 5"]["output_tokens"] == 40 * 64
 
 
+def test_step_times_device_idle_between_calls_on_the_device_clock():
+    from cluster.bench.step_times import idle_before
+
+    # event times in ms: call 1 ends at 10; call 2's start is passed at 10 (work was queued:
+    # no idle), ends at 30; call 3 starts at 34 (4 ms idle); a profiled call breaks the chain
+    # (the 40 ms around it are not idle time); the last call waited 2.5 ms
+    marks = [("prefill", 0.0, 10.0), ("decode x8", 10.0, 30.0), ("decode x8", 34.0, 50.0),
+             None, ("decode x8", 90.0, 99.0), ("prefill", 101.5, 120.0)]
+    assert idle_before(marks, lambda a, b: b - a) == pytest.approx(
+        {"decode x8": 0.004, "prefill": 0.0025})
+
+
 def test_step_times_counts_calls_by_kind_and_decode_calls_by_batch(tiny_models):
     from cluster.bench import step_times
     from cluster.llm import LLM
