@@ -41,6 +41,11 @@ class SamplingSpec:
         return self.temperature < GREEDY_TEMPERATURE
 
     @property
+    def is_plain_greedy(self) -> bool:
+        """Greedy, and nothing else to compute: no penalty, no logprobs."""
+        return self.is_greedy and not self.uses_history and self.logprobs is None
+
+    @property
     def uses_history(self) -> bool:
         """Whether sampling reads the tokens before this one (the penalties do)."""
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
@@ -89,6 +94,11 @@ class Sampler:
         output_token_ids: Sequence[Sequence[int]],
         generators: Sequence[torch.Generator | None],
     ) -> SamplerOutput:
+        if all(spec.is_plain_greedy for spec in specs):
+            # argmax in the logits' own dtype: widening to float32 changes no value or order,
+            # and skips a pass that writes twice the LM head's output (a batch of 256 rows
+            # over Qwen3's 151,936 tokens: ~0.1 ms a step on an H200)
+            return SamplerOutput(greedy(logits), None, None, None)
         raw = logits.float()  # may alias the caller's tensor: nothing below works in place
         logits = apply_penalties(raw, specs, prompt_token_ids, output_token_ids)
         token_ids = greedy(logits)  # (B,) the greedy answer for every row

@@ -24,6 +24,9 @@ def _on_compile(**hook_args: object) -> None:
 
 
 def record() -> None:
-    from triton import knobs
+    try:
+        from triton import knobs
+    except ImportError:  # no Triton (macOS, or the CPU-only install): nothing compiles
+        return
 
     knobs.runtime.jit_cache_hook = _on_compile

@@ -26,6 +26,7 @@ from cluster.bench.workloads import (
     prefix_requests,
     throughput_requests,
 )
+from workers import triton_compiles
 from workers.catalog import cache_root, resolve_model
 from workers.loader import load_config, weight_files
 
@@ -47,6 +48,7 @@ class Setup:
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
+        triton_compiles.record()
         self.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         name = args.dtype if args.dtype != "auto" else (
             "bfloat16" if self.device.type == "cuda" else "float32")
@@ -213,11 +215,21 @@ def throughput(args: argparse.Namespace) -> int:
                            rows)
     if summary["speedup_vs_best_hf"]:
         table += f"\n\ntandem / best HF: {summary['speedup_vs_best_hf']:.1f}x"
+    table += compiles_note(tandem)
     record = setup.record | {"workload": "throughput", "engine": engine_info, "tandem": tandem,
                              "hf_generate": generate, "hf_generate_batch": batched,
                              "roofline": bound, "summary": summary}
     publish(record, table, args.output)
     return 0
+
+
+def compiles_note(run: dict) -> str:
+    """A line naming the Triton kernels compiled inside a timed run (none after a full warm-up)."""
+    if not run["triton_compiles"]:
+        return ""
+    names = sorted({entry.split()[0] for entry in run["triton_compiles"]})
+    return (f"\n\n{len(run['triton_compiles'])} Triton compiles inside the timed run: "
+            + ", ".join(names))
 
 
 def prefix(args: argparse.Namespace) -> int:

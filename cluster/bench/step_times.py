@@ -49,6 +49,23 @@ def idle_before(marks: list[tuple[str, object, object] | None],
     return dict(idle)
 
 
+def context_tokens(step) -> int:
+    """Tokens of context the call's attention reads, summed over its rows and steps: step s of
+    a row that has computed c tokens attends to c + 1 + s of them (a prefill chunk's tokens
+    count once, at its full length: a lower bound of what its attention reads)."""
+    steps = step.num_steps
+    return sum((item.num_computed_tokens + item.num_new_tokens) * steps
+               + steps * (steps - 1) // 2 for item in step.scheduled)
+
+
+def kv_bytes_per_token(engine) -> int:
+    """Bytes of K and V one token holds across the layers (on this worker's shard)."""
+    worker = getattr(engine.executor, "worker", None)
+    caches = getattr(worker, "kv_caches", None) or []
+    return sum(k[0, 0].numel() * k.element_size() + v[0, 0].numel() * v.element_size()
+               for k, v in caches)
+
+
 def kind_of(step) -> str:
     if step.new_requests or any(item.num_new_tokens > 1 for item in step.scheduled):
         return "prefill (with decodes)"
@@ -106,16 +123,17 @@ def trace(llm, requests, profile_kinds: tuple[str, ...] = (), profile_skip: int 
             marks.append((kind, began, event()))
         last.update(kind=kind, execute_s=time.perf_counter() - start,
                     tokens=sum(item.num_new_tokens for item in step.scheduled) * step.num_steps,
-                    seqs=len(step.scheduled))
+                    seqs=len(step.scheduled), context_tokens=context_tokens(step))
         return result
 
     engine.executor.execute = timed_execute
     for request in requests:
         engine.add_request(request.prompt_token_ids, greedy(request))
     kinds: dict[str, dict] = collections.defaultdict(
-        lambda: {"calls": 0, "seconds": 0.0, "execute_s": 0.0, "tokens": 0, "seqs": 0})
+        lambda: {"calls": 0, "seconds": 0.0, "execute_s": 0.0, "tokens": 0, "seqs": 0,
+                 "context_tokens": 0})
     decode_by_batch: dict[str, dict] = collections.defaultdict(
-        lambda: {"calls": 0, "seconds": 0.0})
+        lambda: {"calls": 0, "seconds": 0.0, "context_tokens": 0})
     start = time.perf_counter()
     while engine.has_unfinished():
         last.clear()
@@ -128,13 +146,20 @@ def trace(llm, requests, profile_kinds: tuple[str, ...] = (), profile_skip: int 
                                    + len(triton_compiles.seen) - compiles_before)
         kind["calls"] += 1
         kind["seconds"] += time.perf_counter() - before
-        for key in ("execute_s", "tokens", "seqs"):
+        for key in ("execute_s", "tokens", "seqs", "context_tokens"):
             kind[key] += last[key]
         if last["kind"].startswith("decode"):
             by_batch = decode_by_batch[batch_bucket(last["seqs"])]
             by_batch["calls"] += 1
             by_batch["seconds"] += time.perf_counter() - before
+            by_batch["context_tokens"] += last["context_tokens"]
     engine.executor.execute = execute
+    kv_bytes = kv_bytes_per_token(engine)
+    for row in [*kinds.values(), *decode_by_batch.values()]:
+        # the K/V the attention read (each step reads every row's context): its rate is how
+        # close those calls came to the bandwidth the decode kernel streams at
+        row["kv_gb_read"] = row["context_tokens"] * kv_bytes / 1e9
+        row["kv_tb_per_s"] = row["kv_gb_read"] / 1e3 / row["seconds"]
     for kind in kinds.values():
         kind["ms_per_call"] = 1e3 * kind["seconds"] / kind["calls"]
         kind["host_ms_per_call"] = 1e3 * (kind["seconds"] - kind["execute_s"]) / kind["calls"]

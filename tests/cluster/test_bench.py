@@ -141,3 +141,9 @@ def test_step_times_counts_calls_by_kind_and_decode_calls_by_batch(tiny_models):
         == {"prefill (with decodes)": (1, 2, 13), "decode x4": (2, 3, 12)}
     assert {bucket: by["calls"] for bucket, by in traced["decode_calls_by_batch"].items()} == {
         "<= 8": 2}
+    # context read: the prompts (3 + 10); then step s of a row with c computed reads c + 1 + s:
+    # (4..7) + (11..14) in the first decode call, (8..11) in the second
+    assert kinds["prefill (with decodes)"]["context_tokens"] == 13
+    assert kinds["decode x4"]["context_tokens"] == 22 + 50 + 38
+    kv_bytes = step_times.kv_bytes_per_token(llm.engine)
+    assert kinds["decode x4"]["kv_gb_read"] == 110 * kv_bytes / 1e9 and kv_bytes > 0

@@ -27,6 +27,20 @@ def test_greedy_equals_argmax():
     assert out.logprobs is None and out.logprob_token_ids is None and out.ranks is None
 
 
+def test_plain_greedy_takes_the_argmax_in_the_logits_dtype_first_index_on_ties():
+    # bfloat16 rows with ties (3.0 twice, and a row of equal values): the widened float32 path
+    # (logprobs asked) and the plain one pick the same, lowest, index
+    logits = torch.tensor([[1.0, 3.0, 3.0, 2.0], [0.5, 0.5, 0.5, 0.5], [-2.0, -1.0, -3.0, -1.0]],
+                          dtype=torch.bfloat16)
+    plain = sample(logits, [GREEDY] * 3)
+    widened = sample(logits, [SamplingSpec(temperature=0.0, logprobs=0)] * 3)
+    assert plain.token_ids.tolist() == widened.token_ids.tolist() == [1, 0, 1]
+    assert GREEDY.is_plain_greedy
+    assert not SamplingSpec(temperature=0.0, repetition_penalty=1.2).is_plain_greedy
+    assert not SamplingSpec(temperature=0.0, logprobs=0).is_plain_greedy
+    assert not SamplingSpec(temperature=0.7).is_plain_greedy
+
+
 def test_repetition_penalty_divides_positive_and_multiplies_negative_logits():
     logits = torch.tensor([[2.0, 1.5, -0.5, -1.0, 0.1]])
     spec = SamplingSpec(temperature=0.0, repetition_penalty=2.0)
