@@ -2,10 +2,12 @@
 
 Runs W2 (or any --shape / --model) through ``LLMEngine.step`` and times every call, split by
 kind: calls that prefill (prompt tokens in the batch), single decode steps and multi-step
-decode calls; decode calls also by batch size. Each row: calls, seconds, tokens computed, and
-time per call. The host part of a call is the time outside ``executor.execute`` (scheduler,
-step message, outputs). On a GPU, ``gpu_idle_before_s`` is how long the device waited for
-the host between the last call and this kind of call (events on the device's clock, see
+decode calls; decode calls also by batch size. Each row: calls, seconds, tokens computed,
+time per call, and the KV its attention read with the rate over the calls' time
+(``kv_tb_per_s``, to set against the decode kernel's own: the gap is everything else a step
+runs). The host part of a call is the time outside ``executor.execute`` (scheduler, step
+message, outputs). On a GPU, ``gpu_idle_before_s`` is how long the device waited for the
+host between the last call and this kind of call (events on the device's clock, see
 ``idle_before``).
 """
 
