@@ -18,6 +18,7 @@ top_k >= -1, 0 < top_p <= 1, 0 <= min_p <= 1, repetition_penalty > 0, token ids 
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -40,7 +41,7 @@ class SamplingSpec:
     def is_greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE
 
-    @property
+    @cached_property  # asked of every row at every step: worked out once per request
     def is_plain_greedy(self) -> bool:
         """Greedy, and nothing else to compute: no penalty, no logprobs."""
         return self.is_greedy and not self.uses_history and self.logprobs is None
