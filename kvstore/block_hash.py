@@ -42,11 +42,15 @@ def hash_full_blocks(
     block_size: int,
     extra_keys: ExtraKeys = (),
     known: Sequence[BlockHash] = (),
+    num_blocks: int | None = None,
 ) -> list[BlockHash]:
-    """Hashes of every full block of token_ids, extending the already computed ``known``."""
+    """Hashes of the first ``num_blocks`` full blocks of token_ids (every full block by
+    default), extending the already computed ``known``. Bounded by a count rather than a
+    slice, so a long context is not copied each time one more of its blocks fills."""
     hashes = list(known)
     parent = hashes[-1] if hashes else None
-    for start in range(len(hashes) * block_size, len(token_ids) - block_size + 1, block_size):
+    end = len(token_ids) if num_blocks is None else min(len(token_ids), num_blocks * block_size)
+    for start in range(len(hashes) * block_size, end - block_size + 1, block_size):
         parent = hash_block_tokens(parent, token_ids[start : start + block_size], extra_keys)
         hashes.append(parent)
     return hashes

@@ -145,7 +145,7 @@ class KVCacheManager:
         first = self.req_num_cached.get(request_id, 0)
         if num_full <= first:
             return  # no block filled since the last call
-        hashes = self._hashes(request_id, token_ids[: num_full * self.block_size])
+        hashes = self._hashes(request_id, token_ids, num_full)
         for index in range(first, num_full):
             block = blocks[index]
             if block.block_hash is None:
@@ -173,13 +173,16 @@ class KVCacheManager:
     def take_events(self) -> list[KVEvent]:
         return self.pool.take_events()
 
-    def _hashes(self, request_id: str, token_ids: Sequence[int]) -> list[BlockHash]:
-        """Full-block hashes of token_ids, extending those already computed for the request."""
+    def _hashes(self, request_id: str, token_ids: Sequence[int],
+                num_full: int | None = None) -> list[BlockHash]:
+        """Hashes of the first ``num_full`` full blocks of token_ids (all of them by default),
+        extending those already computed for the request."""
         known = self.req_hashes.get(request_id, [])
-        num_full = len(token_ids) // self.block_size
+        if num_full is None:
+            num_full = len(token_ids) // self.block_size
         if len(known) < num_full:
             salt = self.req_salt.get(request_id, self.extra_keys)
-            known = hash_full_blocks(token_ids, self.block_size, salt, known)
+            known = hash_full_blocks(token_ids, self.block_size, salt, known, num_full)
             self.req_hashes[request_id] = known
         return known[:num_full]
 

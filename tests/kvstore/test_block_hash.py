@@ -29,6 +29,17 @@ def test_extension_reuses_known_hashes():
     )
 
 
+def test_a_block_count_bounds_the_hashes_as_a_slice_would():
+    tokens = list(range(17))
+    for count in range(6):  # 0..5 blocks asked; the tokens hold 4 full ones
+        assert hash_full_blocks(tokens, 4, num_blocks=count) == (
+            hash_full_blocks(tokens[: 4 * count], 4)
+        )
+    known = hash_full_blocks(tokens, 4, num_blocks=1)
+    assert hash_full_blocks(tokens, 4, known=known, num_blocks=3) == hash_full_blocks(
+        tokens[:12], 4)
+
+
 def test_same_hashes_in_two_processes():
     here = " ".join(h.hex() for h in hash_full_blocks(list(range(10)), 4, ("m",)))
     outputs = {
