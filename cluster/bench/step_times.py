@@ -25,6 +25,7 @@ from cluster.bench.shapes import SHAPES, build_random_model
 from cluster.bench.workloads import throughput_requests
 from workers import triton_compiles
 from workers.catalog import cache_root, resolve_model
+from workers.kv_cache import kv_bytes_per_block
 
 BATCH_BOUNDS = (8, 16, 32, 64, 128, 192, 256)  # decode calls are also counted by batch size
 
@@ -61,11 +62,9 @@ def context_tokens(step) -> int:
 
 
 def kv_bytes_per_token(engine) -> int:
-    """Bytes of K and V one token holds across the layers (on this worker's shard)."""
-    worker = getattr(engine.executor, "worker", None)
-    caches = getattr(worker, "kv_caches", None) or []
-    return sum(k[0, 0].numel() * k.element_size() + v[0, 0].numel() * v.element_size()
-               for k, v in caches)
+    """Bytes of K and V one token holds across the layers (on the in-process worker's shard)."""
+    worker = engine.executor.worker
+    return kv_bytes_per_block(worker.hf_config, worker.tp.size, 1, worker.dtype)
 
 
 def kind_of(step) -> str:
