@@ -132,7 +132,13 @@ def compile_all() -> None:
         call("attention input, per-head norms", attention_input, qkv.flatten(1), heads,
              zeros(64, head_dim), zeros(64, head_dim), cache, cache, slots, norm[:head_dim],
              norm[:head_dim], eps=1e-6)
+        call("attention input, row scale", attention_input, qkv.flatten(1), heads,
+             zeros(64, head_dim), zeros(64, head_dim), cache, cache, slots, row_scale=(h, 1e-6))
+        call("attention input, per-head norms, row scale", attention_input, qkv.flatten(1),
+             heads, zeros(64, head_dim), zeros(64, head_dim), cache, cache, slots,
+             norm[:head_dim], norm[:head_dim], eps=1e-6, row_scale=(h, 1e-6))
         call("silu_and_mul", silu_and_mul, zeros(64, 2 * inter))
+        call("silu_and_mul, row scale", silu_and_mul, zeros(64, 2 * inter), row_scale=(h, 1e-6))
         compile_attention(zeros, heads, kv_heads, head_dim)
     for vocab in (128256, 151936):  # Llama 3's and Qwen3's; the sampler's logits are float32
         call("greedy tokens", greedy_tokens, torch.zeros(1, vocab))

@@ -50,6 +50,36 @@ def test_matches_the_unfused_layers(dtype, head_dim, qk_norm):
     assert not k_cache.view(-1, KV_HEADS, head_dim)[untouched].any()
 
 
+def inverse_rms(rows: torch.Tensor, eps: float) -> torch.Tensor:
+    """(T, 1) float32: 1 / RMS of each row, as RMSNorm takes it."""
+    rows = rows.float()
+    return torch.rsqrt(rows.pow(2).mean(-1, keepdim=True) + eps)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("qk_norm", [True, False])
+def test_row_scale_scales_each_qkv_row_by_its_inputs_inverse_rms(dtype, qk_norm):
+    """A qkv projection of the unnormalized rows (norm weights folded into it), then
+    row_scale = a qkv projection of the normed rows."""
+    num_tokens, head_dim, hidden, eps = 4, 32, 48, 1e-5
+    qkv = randn(num_tokens, (HEADS + 2 * KV_HEADS) * head_dim, dtype=dtype)
+    rows = 3 * randn(num_tokens, hidden, dtype=dtype, seed=3)
+    cos, sin = cos_sin(num_tokens, head_dim, dtype)
+    slots = torch.tensor([3, -1, 0, 9])
+    norms = (1 + 0.2 * randn(head_dim, dtype=dtype, seed=1),
+             1 + 0.2 * randn(head_dim, dtype=dtype, seed=2)) if qk_norm else None
+    scaled_qkv = (qkv.float() * inverse_rms(rows, eps)).to(dtype)
+    want_q, want_k, want_v = expected(scaled_qkv, head_dim, cos, sin, slots, norms, 1e-6, dtype)
+    k_cache, v_cache = torch.zeros_like(want_k), torch.zeros_like(want_v)
+    q = attention_input(qkv, HEADS, cos, sin, k_cache, v_cache, slots,
+                        *(norms or (None, None)), eps=1e-6, row_scale=(rows, eps))
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(q.float(), want_q.float(), atol=tol, rtol=tol)
+    torch.testing.assert_close(k_cache.float(), want_k.float(), atol=tol, rtol=tol)
+    torch.testing.assert_close(v_cache.float(), want_v.float(), atol=tol, rtol=tol)
+    assert not v_cache.view(-1, KV_HEADS, head_dim)[1].any()  # the padding token's slot
+
+
 def test_a_cache_of_another_dtype_takes_the_rounded_values():
     qkv = randn(2, (HEADS + 2 * KV_HEADS) * 32)
     cos, sin = cos_sin(2, 32, torch.float32)
@@ -75,5 +105,9 @@ def test_bad_input_is_refused():
                         q_norm=torch.ones(32))
     with pytest.raises(ValueError, match=r"cos and sin must be \(2, 32\), head_dim even"):
         attention_input(torch.zeros(2, 320), HEADS, cos[:1], sin[:1], cache, cache.clone(), slots)
+    with pytest.raises(ValueError, match=r"row_scale's rows must be \(2, hidden\) with the last "
+                                         r"stride 1, got \(3, 64\)"):
+        attention_input(torch.zeros(2, 320), HEADS, cos, sin, cache, cache.clone(), slots,
+                        row_scale=(torch.ones(3, 64), 1e-6))
     assert attention_input(torch.zeros(0, 320), HEADS, cos[:0], sin[:0], cache, cache.clone(),
                            slots[:0]).shape == (0, HEADS, 32)

@@ -13,6 +13,11 @@ one program per token reads the token's row of the qkv output once::
 
 It rounds where the plain layers round (the norm's output, rotary's output, the cache's
 dtype), so the two agree as far as summation order allows.
+
+With ``row_scale`` the qkv projection was given the layer's input unnormalized, its weight
+holding the input RMSNorm's weight (LlamaModel.fold_norm_weights): the program first takes
+the token's 1 / RMS from that input row and scales the whole qkv row by it, which is where the
+input norm's launch went.
 """
 
 import torch
@@ -21,14 +26,33 @@ import triton.language as tl
 
 
 @triton.jit
+def _scaled(x, row_scale, ROW_SCALE: tl.constexpr):
+    """x as the unfolded projection would have written it: times the row's 1 / RMS, rounded."""
+    if ROW_SCALE:
+        x = (x.to(tl.float32) * row_scale).to(x.dtype)
+    return x
+
+
+@triton.jit
+def _inverse_rms_of_row(row_ptr, size, eps, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    x = tl.load(row_ptr + offs, mask=offs < size, other=0.0).to(tl.float32)
+    return tl.rsqrt(tl.sum(x * x, axis=0) / size + eps)
+
+
+@triton.jit
 def _normed_rotated_heads(
-    row_ptr, norm_ptr, cos, sin, eps, num_heads,
-    QK_NORM: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    row_ptr, norm_ptr, cos, sin, eps, num_heads, row_scale, scale_row_ptr, scale_size,
+    scale_eps,
+    QK_NORM: tl.constexpr, ROW_SCALE: tl.constexpr, FIND_SCALE: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_HALF: tl.constexpr, BLOCK_S: tl.constexpr,
 ):  # fmt: skip
-    """(first halves, second halves) of num_heads heads starting at row_ptr, each
-    (BLOCK_H, BLOCK_HALF) in the activation dtype: RMSNorm'd with norm_ptr's weight when QK_NORM,
-    then turned by rotary (cos, sin: (1, BLOCK_HALF) float32)."""
+    """(first halves, second halves, row_scale) of num_heads heads starting at row_ptr, each
+    (BLOCK_H, BLOCK_HALF) in the activation dtype: scaled by row_scale when ROW_SCALE,
+    RMSNorm'd with norm_ptr's weight when QK_NORM, then turned by rotary (cos, sin:
+    (1, BLOCK_HALF) float32). With FIND_SCALE, row_scale is first taken from scale_row_ptr's
+    row, after the heads' loads are issued so that the two reads overlap."""
     HALF: tl.constexpr = HEAD_DIM // 2
     dtype = row_ptr.dtype.element_ty
     heads = tl.arange(0, BLOCK_H)[:, None]
@@ -38,11 +62,15 @@ def _normed_rotated_heads(
     x1 = tl.load(first, mask=mask, other=0.0)
     x2 = tl.load(first + HALF, mask=mask, other=0.0)
     if QK_NORM:
-        # the sum of squares over the whole head, as RMSNorm takes it
         offs_d = tl.arange(0, BLOCK_D)[None, :]
         whole = tl.load(row_ptr + heads * HEAD_DIM + offs_d,
                         mask=(heads < num_heads) & (offs_d < HEAD_DIM), other=0.0)
-        whole = whole.to(tl.float32)
+    if FIND_SCALE:
+        row_scale = _inverse_rms_of_row(scale_row_ptr, scale_size, scale_eps, BLOCK_S)
+    x1, x2 = _scaled(x1, row_scale, ROW_SCALE), _scaled(x2, row_scale, ROW_SCALE)
+    if QK_NORM:
+        # the sum of squares over the whole head, as RMSNorm takes it
+        whole = _scaled(whole, row_scale, ROW_SCALE).to(tl.float32)
         rstd = tl.rsqrt(tl.sum(whole * whole, axis=1) / HEAD_DIM + eps)[:, None]
         w1 = tl.load(norm_ptr + offs, mask=offs < HALF, other=0.0).to(tl.float32)
         w2 = tl.load(norm_ptr + HALF + offs, mask=offs < HALF, other=0.0).to(tl.float32)
@@ -50,7 +78,7 @@ def _normed_rotated_heads(
         x2 = (w2 * (x2.to(tl.float32) * rstd).to(dtype).to(tl.float32)).to(dtype)
     x1, x2 = x1.to(tl.float32), x2.to(tl.float32)
     # x * cos + rotate_half(x) * sin, with rotate_half(x) = cat(-x2, x1)
-    return (x1 * cos - x2 * sin).to(dtype), (x2 * cos + x1 * sin).to(dtype)
+    return (x1 * cos - x2 * sin).to(dtype), (x2 * cos + x1 * sin).to(dtype), row_scale
 
 
 @triton.jit
@@ -64,13 +92,19 @@ def _attention_input_kernel(
     k_cache_ptr,  # (num_blocks, block_size, kv_heads, HEAD_DIM), contiguous
     v_cache_ptr,
     slot_ptr,  # (T,) int64, below 0 for a padding token
+    scale_rows_ptr,  # (T, scale_size), row stride stride_s, when ROW_SCALE
     stride_t,
     stride_cos,
     stride_sin,
+    stride_s,
+    scale_size,
+    scale_eps,
     eps,
     num_heads,
     num_kv_heads,
     QK_NORM: tl.constexpr,
+    ROW_SCALE: tl.constexpr,
+    BLOCK_S: tl.constexpr,  # scale_size padded to a power of two
     HEAD_DIM: tl.constexpr,
     BLOCK_Q: tl.constexpr,  # heads padded to a power of two
     BLOCK_KV: tl.constexpr,  # kv_heads padded to a power of two
@@ -84,9 +118,11 @@ def _attention_input_kernel(
     cos = tl.load(cos_ptr + token * stride_cos + offs, mask=offs < HALF, other=0.0)
     sin = tl.load(sin_ptr + token * stride_sin + offs, mask=offs < HALF, other=0.0)
     cos, sin = cos.to(tl.float32), sin.to(tl.float32)
-
-    q1, q2 = _normed_rotated_heads(row, q_norm_ptr, cos, sin, eps, num_heads, QK_NORM,
-                                   HEAD_DIM, BLOCK_Q, BLOCK_D, BLOCK_HALF)
+    scale_row = scale_rows_ptr + token * stride_s
+    q1, q2, row_scale = _normed_rotated_heads(
+        row, q_norm_ptr, cos, sin, eps, num_heads, 1.0, scale_row, scale_size, scale_eps,
+        QK_NORM, ROW_SCALE, ROW_SCALE, HEAD_DIM, BLOCK_Q, BLOCK_D, BLOCK_HALF, BLOCK_S,
+    )  # fmt: skip
     heads = tl.arange(0, BLOCK_Q)[:, None]
     q_row = q_out_ptr + (token * num_heads + heads) * HEAD_DIM + offs
     q_mask = (heads < num_heads) & (offs < HALF)
@@ -96,8 +132,10 @@ def _attention_input_kernel(
     slot = tl.load(slot_ptr + token).to(tl.int64)
     if slot >= 0:
         k_row = row + num_heads * HEAD_DIM
-        k1, k2 = _normed_rotated_heads(k_row, k_norm_ptr, cos, sin, eps, num_kv_heads, QK_NORM,
-                                       HEAD_DIM, BLOCK_KV, BLOCK_D, BLOCK_HALF)
+        k1, k2, _ = _normed_rotated_heads(
+            k_row, k_norm_ptr, cos, sin, eps, num_kv_heads, row_scale, scale_row, scale_size,
+            scale_eps, QK_NORM, ROW_SCALE, False, HEAD_DIM, BLOCK_KV, BLOCK_D, BLOCK_HALF, BLOCK_S,
+        )  # fmt: skip
         kv_heads = tl.arange(0, BLOCK_KV)[:, None]
         # int64: a large cache holds more than 2**31 elements
         cache_row = (slot * num_kv_heads + kv_heads) * HEAD_DIM
@@ -108,6 +146,7 @@ def _attention_input_kernel(
         offs_d = tl.arange(0, BLOCK_D)[None, :]
         v_mask = (kv_heads < num_kv_heads) & (offs_d < HEAD_DIM)
         v = tl.load(k_row + (num_kv_heads + kv_heads) * HEAD_DIM + offs_d, mask=v_mask)
+        v = _scaled(v, row_scale, ROW_SCALE)
         tl.store(v_cache_ptr + cache_row + offs_d, v.to(v_cache_ptr.dtype.element_ty),
                  mask=v_mask)
 
@@ -123,10 +162,14 @@ def attention_input(
     q_norm: torch.Tensor | None = None,  # (head_dim,) per-head RMSNorm weights (Qwen3)
     k_norm: torch.Tensor | None = None,
     eps: float = 0.0,
+    row_scale: tuple[torch.Tensor, float] | None = None,  # (rows (T, hidden), eps)
 ) -> torch.Tensor:
     """q (T, heads, head_dim) for the attention kernel, after the optional per-head norms and
     rotary; k (normed and turned the same way) and v are written into the cache at each token's
-    slot. The unfused equivalent: rms_norm of the q and k heads, rotary, store_kv."""
+    slot. The unfused equivalent: rms_norm of the q and k heads, rotary, store_kv.
+
+    row_scale (rows, eps): each qkv row is first multiplied by 1 / RMS of the token's row of
+    rows, for a qkv projection that took the layer's input before its RMSNorm."""
     num_tokens, width = qkv.shape
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     if width != (num_heads + 2 * num_kv_heads) * head_dim or qkv.stride(1) != 1:
@@ -138,6 +181,10 @@ def attention_input(
         raise ValueError("the KV cache must be contiguous")
     if head_dim % 2 or cos.shape != (num_tokens, head_dim) or sin.shape != cos.shape:
         raise ValueError(f"cos and sin must be ({num_tokens}, {head_dim}), head_dim even")
+    scale_rows, scale_eps = row_scale if row_scale is not None else (qkv, 0.0)
+    if scale_rows.dim() != 2 or scale_rows.shape[0] != num_tokens or scale_rows.stride(1) != 1:
+        raise ValueError(f"row_scale's rows must be ({num_tokens}, hidden) with the last stride "
+                         f"1, got {tuple(scale_rows.shape)}")
     q = torch.empty((num_tokens, num_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
     if num_tokens == 0:
         return q
@@ -152,13 +199,19 @@ def attention_input(
         k_cache,
         v_cache,
         slot_mapping,
+        scale_rows,
         qkv.stride(0),
         cos.stride(0),
         sin.stride(0),
+        scale_rows.stride(0),
+        scale_rows.shape[1],
+        scale_eps,
         eps,
         num_heads,
         num_kv_heads,
         QK_NORM=q_norm is not None,
+        ROW_SCALE=row_scale is not None,
+        BLOCK_S=triton.next_power_of_2(scale_rows.shape[1]) if row_scale is not None else 1,
         HEAD_DIM=head_dim,
         BLOCK_Q=triton.next_power_of_2(num_heads),
         BLOCK_KV=triton.next_power_of_2(num_kv_heads),

@@ -95,6 +95,7 @@ def build_models(config, dtype: torch.dtype, device: str) -> tuple[LlamaForCausa
     plain.to(dtype=dtype).eval()
     fused.to(dtype=dtype).eval()
     fused.load_state_dict(plain.state_dict())
+    fused.model.fold_norm_weights()
     return plain, fused
 
 
@@ -179,7 +180,7 @@ def time_decode(config) -> list[str]:
     plain_layer, fused_layer = plain.model.layers[0], fused.model.layers[0]
     runs = {
         "layer plain": lambda: plain_layer(hidden, cos, sin, k_cache, v_cache, meta),
-        "layer fused": lambda: fused_layer.forward_fused(
+        "layer fused": lambda: fused_layer.forward_one_token(
             hidden, residual, cos, sin, k_cache, v_cache, meta
         ),
         "step plain": lambda: plain(ids, positions, caches, meta),

@@ -163,3 +163,13 @@ class RowParallelLinear(ShardedLinear):
             return self.matmul(x, self.bias)
         out = self.tp.all_reduce(self.matmul(x, None))
         return out if self.bias is None else out + self.bias
+
+    def add_into(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """residual += self(x), in place (residual: the decoder's residual stream, (T, out)).
+        On one rank without a bias it is one GEMM that reads residual as its C operand (one
+        rounding, where the separate add rounds twice); otherwise the output is added after."""
+        if self.tp.size == 1 and self.bias is None and not (
+            self.gemv_for_one_row and x.shape[0] == 1
+        ):
+            return residual.addmm_(x, self.weight.t())
+        return residual.add_(self(x))

@@ -6,9 +6,14 @@ hidden / heads. Module and parameter names follow the HF checkpoints, except tha
 are fused into qkv_proj and gate/up_proj into gate_up_proj.
 
 With ``fused=True`` (CUDA with Triton) the small elementwise steps run as Triton kernels
-(workers/layers/fused_kernels.py) and, as in vLLM, each layer returns (hidden, residual): the
-next RMSNorm adds the residual in the same kernel. With ``fused=False`` the layers are plain
-PyTorch, operation for operation HF's, so float32 outputs match HF on the CPU.
+(workers/layers/fused_kernels.py, attention_input.py, gemv.py), and each decoder norm's weight
+is folded into the projection after it once the weights are loaded (fold_norm_weights): a
+layer of several rows then runs no norm kernel at all — qkv and gate_up read the residual
+stream itself, the kernels after them scale each row by its 1 / RMS, and o and down add into
+the stream inside their GEMM. A row of one token (a batch-1 decode step) takes the fused
+matrix-vector kernels, which keep the norm (of weight 1) and the residual add inside.
+With ``fused=False`` the layers are plain PyTorch, operation for operation HF's, so float32
+outputs match HF on the CPU.
 """
 
 from collections import defaultdict
@@ -130,15 +135,7 @@ class LlamaAttention(nn.Module):
     def attend(self, qkv, cos, sin, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         """qkv: (T, (local_heads + 2 * local_kv_heads) * head_dim) → o_proj's output."""
         if self.fused:
-            # imported here: models built without the fused kernels must not need Triton
-            from workers.layers.attention_input import attention_input
-
-            norms = (self.q_norm.weight, self.k_norm.weight) if self.q_norm else (None, None)
-            q = attention_input(qkv, self.qkv_proj.num_local_heads, cos, sin, k_cache, v_cache,
-                                meta.slot_mapping, *norms,
-                                eps=self.q_norm.eps if self.q_norm else 0.0)
-            out = self.backend.attend(q, k_cache, v_cache, meta, scale=self.scale)
-            return self.o_proj(out.flatten(1))
+            return self.o_proj(self.attention_output(qkv, cos, sin, k_cache, v_cache, meta))
         sizes = [self.qkv_proj.q_size, self.qkv_proj.kv_size, self.qkv_proj.kv_size]
         q, k, v = qkv.split(sizes, dim=-1)
         q = q.view(-1, self.qkv_proj.num_local_heads, self.head_dim)  # (T, heads, head_dim)
@@ -149,6 +146,20 @@ class LlamaAttention(nn.Module):
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = self.backend.forward(q, k, v, k_cache, v_cache, meta, scale=self.scale)
         return self.o_proj(out.flatten(1))  # (T, heads, head_dim) → (T, hidden)
+
+    def attention_output(
+        self, qkv, cos, sin, k_cache, v_cache, meta: AttentionMetadata, row_scale=None
+    ) -> torch.Tensor:
+        """Fused: qkv → the attention's output (T, local_heads * head_dim), before o_proj.
+        row_scale (rows, eps): qkv came from unnormalized rows (see attention_input)."""
+        # imported here: models built without the fused kernels must not need Triton
+        from workers.layers.attention_input import attention_input
+
+        norms = (self.q_norm.weight, self.k_norm.weight) if self.q_norm else (None, None)
+        q = attention_input(qkv, self.qkv_proj.num_local_heads, cos, sin, k_cache, v_cache,
+                            meta.slot_mapping, *norms, eps=self.q_norm.eps if self.q_norm else 0.0,
+                            row_scale=row_scale)  # fmt: skip
+        return self.backend.attend(q, k_cache, v_cache, meta, scale=self.scale).flatten(1)
 
 
 class LlamaMLP(nn.Module):
@@ -171,6 +182,16 @@ class LlamaMLP(nn.Module):
         return self.down_proj(F.silu(gate) * up)
 
 
+def project_stream(norm: RMSNorm, proj: ShardedLinear, stream: torch.Tensor):
+    """(proj's output, row_scale for the kernel after it) for a projection whose norm's weight
+    is folded into it: the stream itself projected, each row to be scaled by its 1 / RMS
+    after; with a bias (added after the norm's scale, not scaled by it) the norm, of weight 1,
+    runs first instead."""
+    if proj.bias is None:
+        return proj(stream), (stream, norm.eps)
+    return proj(norm(stream)), None
+
+
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config, tp: TensorParallelGroup, backend, flavor: DecoderFlavor, fused):
         super().__init__()
@@ -185,23 +206,25 @@ class LlamaDecoderLayer(nn.Module):
         hidden = hidden + attn_out
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
-    def forward_fused(
-        self, hidden, residual, cos, sin, k_cache, v_cache, meta: AttentionMetadata
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(hidden, residual) → (mlp output, residual before it); their sum is forward's output.
-        residual is None at the first layer, whose input is the embedding."""
-        if hidden.shape[0] == 1:
-            return self._forward_one_token(hidden, residual, cos, sin, k_cache, v_cache, meta)
-        if residual is None:
-            hidden, residual = self.input_layernorm(hidden), hidden
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(hidden, cos, sin, k_cache, v_cache, meta)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+    def forward_fused(self, hidden, cos, sin, k_cache, v_cache, meta: AttentionMetadata):
+        """Fused, norm weights folded, several rows: the residual stream hidden (T, hidden)
+        through the layer, updated in place and returned. No norm kernel runs: qkv and gate_up
+        project the stream itself (their weights hold the norms'), the attention input and
+        SiLU * up scale each row by its 1 / RMS, and o and down add into the stream inside
+        their GEMM — two launches fewer a layer than an add + RMSNorm kernel before each."""
+        # imported here: models built without the fused kernels must not need Triton
+        from workers.layers.fused_kernels import silu_and_mul
 
-    def _forward_one_token(self, hidden, residual, cos, sin, k_cache, v_cache, meta):
-        """forward_fused for a decode step of one sequence: each norm runs inside the projection
+        attn, mlp = self.self_attn, self.mlp
+        qkv, row_scale = project_stream(self.input_layernorm, attn.qkv_proj, hidden)
+        out = attn.attention_output(qkv, cos, sin, k_cache, v_cache, meta, row_scale=row_scale)
+        hidden = attn.o_proj.add_into(hidden, out)
+        gate_up, row_scale = project_stream(self.post_attention_layernorm, mlp.gate_up_proj, hidden)
+        return mlp.down_proj.add_into(hidden, silu_and_mul(gate_up, row_scale=row_scale))
+
+    def forward_one_token(self, hidden, residual, cos, sin, k_cache, v_cache, meta):
+        """Fused, for a decode step of one sequence: (hidden, residual) → (mlp output, residual
+        before it), residual None at the first layer. Each norm runs inside the projection
         after it, SiLU * up inside gate_up, rotary and the K/V store inside qkv
         (workers/layers/gemv.py): 6 fewer launches, 4 with per-head q/k norms."""
         hidden, residual = self.self_attn.forward_one_token(
@@ -225,21 +248,48 @@ class LlamaModel(nn.Module):
         )
         self.norm = make_norm(config.hidden_size, config.rms_norm_eps, fused)
         self.rotary_emb = RotaryEmbedding(config, head_dim_of(config))
+        self.norms_folded = False
+        # a state dict holds the checkpoint's weights: loading one unfolds them
+        self.register_load_state_dict_pre_hook(lambda *_: setattr(self, "norms_folded", False))
         if fused:  # rows of one token take the fused matrix-vector kernels
             for module in self.modules():
                 if isinstance(module, ShardedLinear):
                     module.gemv_for_one_row = True
 
+    @torch.no_grad()
+    def fold_norm_weights(self) -> None:
+        """Moves each decoder norm's weight into the projection after it: qkv_proj's and
+        gate_up_proj's input columns are multiplied by it (in float32, rounded once) and the
+        norm's weight becomes 1. The model computes the same function; fused layers of several
+        rows rely on it (forward_fused). Idempotent; the final norm (before the LM head) keeps
+        its weight."""
+        for layer in self.layers:
+            pairs = ((layer.input_layernorm, layer.self_attn.qkv_proj),
+                     (layer.post_attention_layernorm, layer.mlp.gate_up_proj))  # fmt: skip
+            for norm, proj in pairs:
+                weight = proj.weight.data
+                weight.copy_((weight.float() * norm.weight.data.float()).to(weight.dtype))
+                norm.weight.data.fill_(1.0)
+        self.norms_folded = True
+
     def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)  # (T, hidden)
         cos, sin = self.rotary_emb(positions, hidden.dtype)  # (T, head_dim) each
         if self.fused:
-            residual = None
-            for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
-                hidden, residual = layer.forward_fused(
-                    hidden, residual, cos, sin, k_cache, v_cache, meta
-                )
-            return self.norm(hidden, residual)[0]
+            if not self.norms_folded:
+                raise RuntimeError("a fused model runs with its norm weights folded into its "
+                                   "projections: call fold_norm_weights() after loading weights")
+            layers = zip(self.layers, kv_caches, strict=True)
+            if hidden.shape[0] == 1:
+                residual = None
+                for layer, (k_cache, v_cache) in layers:
+                    hidden, residual = layer.forward_one_token(
+                        hidden, residual, cos, sin, k_cache, v_cache, meta
+                    )
+                return self.norm(hidden, residual)[0]
+            for layer, (k_cache, v_cache) in layers:
+                hidden = layer.forward_fused(hidden, cos, sin, k_cache, v_cache, meta)
+            return self.norm(hidden)
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
             hidden = layer(hidden, cos, sin, k_cache, v_cache, meta)
         return self.norm(hidden)
@@ -286,6 +336,7 @@ class LlamaForCausalLM(nn.Module):
         """Loads HF-named checkpoint tensors, each parameter slicing out its own shard."""
         # a tied lm_head.weight is listed once, under the embedding's name
         params = dict(self.named_parameters())
+        self.model.norms_folded = False  # the checkpoint's norm weights are about to come in
         loaded: dict[str, set] = defaultdict(set)
         for name, tensor in weights:
             if "rotary_emb." in name or (self.tie_word_embeddings and name == "lm_head.weight"):
@@ -304,3 +355,5 @@ class LlamaForCausalLM(nn.Module):
         missing = [name for name in params if loaded[name] != required_shards(name)]
         if missing:
             raise ValueError(f"checkpoint is missing parameters: {', '.join(missing)}")
+        if self.model.fused:
+            self.model.fold_norm_weights()
