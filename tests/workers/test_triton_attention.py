@@ -14,6 +14,7 @@ import torch  # noqa: E402
 from workers.attention.metadata import AttentionMetadata, longest_first  # noqa: E402
 from workers.attention.reference import ReferenceAttentionBackend, paged_attention  # noqa: E402
 from workers.attention.triton_backend import TritonAttentionBackend  # noqa: E402
+from workers.attention.triton_prefill import extend_attention  # noqa: E402
 from workers.attention.triton_decode import (  # noqa: E402
     choose_num_splits,
     decode_attention,
@@ -176,6 +177,23 @@ def test_extend_prefix_hits_prefill_and_decode_rows(heads, kv_heads):
     seq_lens, q_lens = [20, 40, 50, 70], [5, 1, 50, 16]
     batch = make_batch(seq_lens, q_lens, heads, kv_heads, 64, 16, torch.float32, seed=3)
     check_against_reference(batch, torch.float32)
+
+
+@pytest.mark.parametrize("block_m,block_n", [(16, 16), (32, 16), (16, 32)])
+def test_extend_walks_unmasked_keys_then_the_diagonal(block_m, block_n):
+    """Small tiles over long contexts: each program's walk has several unmasked steps (keys
+    before its first token) and a masked diagonal; the grid's last query blocks run first."""
+    seq_lens, q_lens = [100, 70, 45], [40, 70, 1]  # a prefix hit, a prompt, a decode row
+    q, k, v, k_cache, v_cache, meta = make_batch(seq_lens, q_lens, 4, 2, 32, 8, torch.float32,
+                                                 seed=6)
+    scale = q.shape[-1] ** -0.5
+    expected = ReferenceAttentionBackend().forward(q, k, v, k_cache.clone(), v_cache.clone(),
+                                                   meta, scale)
+    store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    got = extend_attention(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens,
+                           meta.block_tables, meta.max_query_len, scale, block_m=block_m,
+                           block_n=block_n)
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
 
 
 def test_pure_prefill_block_size_8():
