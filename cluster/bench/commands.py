@@ -203,9 +203,8 @@ def throughput(args: argparse.Namespace) -> int:
              summary["percent_of_roofline"], tandem["peak_memory_bytes"]]]
     if generate:
         best = generate["best"]
-        rows.append([f"HF generate() batch {best['batch_size']} (first {best['batch_size']} "
-                     f"requests, <= {best['new_tokens']} new)", best["seconds"],
-                     best["output_tokens_per_s"], None, None])
+        rows.append([hf.generate_label(best), best["seconds"], best["output_tokens_per_s"],
+                     None, None])
     if batched and "output_tokens_per_s" in batched:
         rows.append([f"HF generate_batch() ({batched['num_requests']} requests, "
                      f"{batched['new_tokens']} new)", batched["seconds"],

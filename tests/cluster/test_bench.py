@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from cluster.bench import roofline, shapes, workloads
+from cluster.bench import hf_baseline, roofline, shapes, workloads
 from cluster.cli import main
 
 
@@ -70,7 +70,18 @@ def test_tiny_throughput_run_writes_every_figure(tiny_models, tmp_path, capsys):
     assert {"p50", "p99"} <= set(tandem["ttft_s"])
     assert record["hf_generate"]["best"]["output_tokens_per_s"] > 0
     assert record["summary"]["speedup_vs_best_hf"] > 0
-    assert "| tandem |" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "| tandem |" in out
+    # the HF runs were capped at 8 of the requests' 8-16 new tokens: the table says so
+    assert "| HF generate() batch 4 (first 4 requests, <= 8 new) |" in out
+
+
+def test_hf_label_says_whether_it_did_the_requests_own_work():
+    run = {"batch_size": 256, "new_tokens": 1024, "capped": False}
+    assert hf_baseline.generate_label(run) == (
+        "HF generate() batch 256 (first 256 requests, their own output lengths)")
+    assert hf_baseline.generate_label(run | {"new_tokens": 256, "capped": True}) == (
+        "HF generate() batch 256 (first 256 requests, <= 256 new)")
 
 
 def test_serve_bench_reads_chunk_times_and_usage_from_raw_events():
