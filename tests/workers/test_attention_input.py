@@ -28,26 +28,37 @@ def expected(qkv, head_dim, cos, sin, slots, norms, eps, cache_dtype):
     return q, *caches
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("head_dim, qk_norm", [(32, True), (32, False), (24, True)])
-def test_matches_the_unfused_layers(dtype, head_dim, qk_norm):
-    num_tokens = 5
-    qkv = randn(num_tokens, (HEADS + 2 * KV_HEADS) * head_dim, dtype=dtype)
-    cos, sin = cos_sin(num_tokens, head_dim, dtype)
-    slots = torch.tensor([3, 17, -1, 0, 9])  # token 2 pads a CUDA graph's batch
-    norms = (1 + 0.2 * randn(head_dim, dtype=dtype, seed=1),
-             1 + 0.2 * randn(head_dim, dtype=dtype, seed=2)) if qk_norm else None
-    want_q, want_k, want_v = expected(qkv, head_dim, cos, sin, slots, norms, 1e-6, dtype)
+def run_against_the_unfused_layers(qkv, expected_qkv, head_dim, slots, norms, dtype, **kwargs):
+    """attention_input(qkv, **kwargs) against the unfused layers run on expected_qkv: checks q
+    and k, returns (v_cache, the v_cache expected)."""
+    cos, sin = cos_sin(qkv.shape[0], head_dim, dtype)
+    want_q, want_k, want_v = expected(expected_qkv, head_dim, cos, sin, slots, norms, 1e-6, dtype)
     k_cache, v_cache = torch.zeros_like(want_k), torch.zeros_like(want_v)
     q = attention_input(qkv, HEADS, cos, sin, k_cache, v_cache, slots,
-                        *(norms or (None, None)), eps=1e-6)
+                        *(norms or (None, None)), eps=1e-6, **kwargs)
     tol = TOLERANCE[dtype]
     torch.testing.assert_close(q.float(), want_q.float(), atol=tol, rtol=tol)
     torch.testing.assert_close(k_cache.float(), want_k.float(), atol=tol, rtol=tol)
-    assert torch.equal(v_cache, want_v)  # v is copied as it is
     untouched = torch.ones(NUM_BLOCKS * BLOCK_SIZE, dtype=torch.bool)
     untouched[slots[slots >= 0]] = False
     assert not k_cache.view(-1, KV_HEADS, head_dim)[untouched].any()
+    assert not v_cache.view(-1, KV_HEADS, head_dim)[untouched].any()
+    return v_cache, want_v
+
+
+def head_norms(qk_norm: bool, head_dim: int, dtype):
+    return (1 + 0.2 * randn(head_dim, dtype=dtype, seed=1),
+            1 + 0.2 * randn(head_dim, dtype=dtype, seed=2)) if qk_norm else None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("head_dim, qk_norm", [(32, True), (32, False), (24, True)])
+def test_matches_the_unfused_layers(dtype, head_dim, qk_norm):
+    qkv = randn(5, (HEADS + 2 * KV_HEADS) * head_dim, dtype=dtype)
+    slots = torch.tensor([3, 17, -1, 0, 9])  # token 2 pads a CUDA graph's batch
+    norms = head_norms(qk_norm, head_dim, dtype)
+    v_cache, want_v = run_against_the_unfused_layers(qkv, qkv, head_dim, slots, norms, dtype)
+    assert torch.equal(v_cache, want_v)  # v is copied as it is
 
 
 def inverse_rms(rows: torch.Tensor, eps: float) -> torch.Tensor:
@@ -61,23 +72,17 @@ def inverse_rms(rows: torch.Tensor, eps: float) -> torch.Tensor:
 def test_row_scale_scales_each_qkv_row_by_its_inputs_inverse_rms(dtype, qk_norm):
     """A qkv projection of the unnormalized rows (norm weights folded into it), then
     row_scale = a qkv projection of the normed rows."""
-    num_tokens, head_dim, hidden, eps = 4, 32, 48, 1e-5
-    qkv = randn(num_tokens, (HEADS + 2 * KV_HEADS) * head_dim, dtype=dtype)
-    rows = 3 * randn(num_tokens, hidden, dtype=dtype, seed=3)
-    cos, sin = cos_sin(num_tokens, head_dim, dtype)
-    slots = torch.tensor([3, -1, 0, 9])
-    norms = (1 + 0.2 * randn(head_dim, dtype=dtype, seed=1),
-             1 + 0.2 * randn(head_dim, dtype=dtype, seed=2)) if qk_norm else None
+    head_dim, eps = 32, 1e-5
+    qkv = randn(4, (HEADS + 2 * KV_HEADS) * head_dim, dtype=dtype)
+    rows = 3 * randn(4, 48, dtype=dtype, seed=3)
     scaled_qkv = (qkv.float() * inverse_rms(rows, eps)).to(dtype)
-    want_q, want_k, want_v = expected(scaled_qkv, head_dim, cos, sin, slots, norms, 1e-6, dtype)
-    k_cache, v_cache = torch.zeros_like(want_k), torch.zeros_like(want_v)
-    q = attention_input(qkv, HEADS, cos, sin, k_cache, v_cache, slots,
-                        *(norms or (None, None)), eps=1e-6, row_scale=(rows, eps))
+    slots = torch.tensor([3, -1, 0, 9])
+    v_cache, want_v = run_against_the_unfused_layers(
+        qkv, scaled_qkv, head_dim, slots, head_norms(qk_norm, head_dim, dtype), dtype,
+        row_scale=(rows, eps),
+    )
     tol = TOLERANCE[dtype]
-    torch.testing.assert_close(q.float(), want_q.float(), atol=tol, rtol=tol)
-    torch.testing.assert_close(k_cache.float(), want_k.float(), atol=tol, rtol=tol)
     torch.testing.assert_close(v_cache.float(), want_v.float(), atol=tol, rtol=tol)
-    assert not v_cache.view(-1, KV_HEADS, head_dim)[1].any()  # the padding token's slot
 
 
 def test_a_cache_of_another_dtype_takes_the_rounded_values():

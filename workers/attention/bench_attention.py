@@ -133,14 +133,19 @@ def median_ms(fn) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def graphed_decode(args: tuple, num_splits: int):
-    """Decode captured in a CUDA graph, as the model runner will run it: timing its replay
-    leaves out Triton's Python launch overhead, which would dominate small batches."""
-    decode_attention(*args, num_splits)  # compiles outside the capture
+def graphed(run) -> torch.cuda.CUDAGraph:
+    """run() captured in a CUDA graph, as the model runner runs kernels: timing its replay
+    leaves out Triton's Python launch overhead, which would dominate small batches. One eager
+    call first compiles the kernels outside the capture."""
+    run()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        decode_attention(*args, num_splits)
+        run()
     return graph
+
+
+def graphed_decode(args: tuple, num_splits: int):
+    return graphed(lambda: decode_attention(*args, num_splits))
 
 
 def time_decode() -> None:

@@ -13,7 +13,7 @@ import random
 
 import torch
 
-from workers.attention.bench_attention import median_ms
+from workers.attention.bench_attention import graphed, median_ms
 from workers.attention.metadata import longest_first
 from workers.attention.triton_backend import num_sms
 from workers.attention.triton_decode import choose_num_splits, decode_attention, default_tile
@@ -27,12 +27,12 @@ BLOCK_N, NUM_WARPS, NUM_STAGES = (32, 64, 128), (4, 8), (2, 3, 5, 6)
 SPLITS = (1, 2, 4, 8)
 
 
-def make_inputs(heads: int, kv_heads: int, head_dim: int, batch: int, lo: int, hi: int):
-    rng = random.Random(0)
-    seq_lens = [rng.randint(lo, hi) for _ in range(batch)]
+def paged_cache(seq_lens: list[int], kv_heads: int, head_dim: int):
+    """(k_cache, v_cache, block table on the GPU): random bf16 K/V, each sequence's blocks
+    scattered over the cache in a random order."""
     blocks = [-(-n // BLOCK_SIZE) for n in seq_lens]
     order = torch.randperm(sum(blocks))
-    table = torch.zeros((batch, max(blocks)), dtype=torch.int32)
+    table = torch.zeros((len(seq_lens), max(blocks)), dtype=torch.int32)
     taken = 0
     for i, n in enumerate(blocks):
         table[i, :n] = order[taken:taken + n].int()
@@ -40,10 +40,17 @@ def make_inputs(heads: int, kv_heads: int, head_dim: int, batch: int, lo: int, h
     cache = (sum(blocks), BLOCK_SIZE, kv_heads, head_dim)
     k = torch.randn(cache, device="cuda", dtype=torch.bfloat16)
     v = torch.randn(cache, device="cuda", dtype=torch.bfloat16)
+    return k, v, table.cuda()
+
+
+def make_inputs(heads: int, kv_heads: int, head_dim: int, batch: int, lo: int, hi: int):
+    rng = random.Random(0)
+    seq_lens = [rng.randint(lo, hi) for _ in range(batch)]
+    k, v, table = paged_cache(seq_lens, kv_heads, head_dim)
     q = torch.randn((batch, heads, head_dim), device="cuda", dtype=torch.bfloat16)
     lens = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
     kv_bytes = 2 * sum(seq_lens) * kv_heads * head_dim * 2
-    return (q, k, v, table.cuda(), lens, head_dim**-0.5), kv_bytes, max(seq_lens)
+    return (q, k, v, table, lens, head_dim**-0.5), kv_bytes, max(seq_lens)
 
 
 def time_config(args: tuple, splits: int, block_n: int, warps: int, stages: int) -> float:
@@ -53,11 +60,7 @@ def time_config(args: tuple, splits: int, block_n: int, warps: int, stages: int)
         decode_attention(*args, splits, out=out, tile=(block_n, warps, stages), order=order)
 
     out = torch.empty_like(args[0])
-    run()  # compiles outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
-    return median_ms(graph.replay)
+    return median_ms(graphed(run).replay)
 
 
 def main() -> None:

@@ -14,10 +14,10 @@ import random
 
 import torch
 
-from workers.attention.bench_attention import median_ms
+from workers.attention.bench_attention import graphed, median_ms
 from workers.attention.triton_prefill import extend_attention
+from workers.attention.tune_decode import paged_cache
 
-BLOCK_SIZE = 16
 STEP_TOKENS = 8192
 SHAPES = {  # name: (query heads, kv heads, head_dim, [(cached, new) tokens per sequence])
     "qwen3-0.6b W2 prefill": (16, 8, 128, "prompts"),
@@ -41,16 +41,7 @@ def w2_prompts() -> list[tuple[int, int]]:
 def make_inputs(heads: int, kv_heads: int, head_dim: int, seqs: list[tuple[int, int]]):
     """(extend_attention's arguments, max_query_len, causal matmul FLOPs)."""
     seq_lens = [cached + new for cached, new in seqs]
-    blocks = [-(-n // BLOCK_SIZE) for n in seq_lens]
-    order = torch.randperm(sum(blocks))
-    table = torch.zeros((len(seqs), max(blocks)), dtype=torch.int32)
-    taken = 0
-    for i, n in enumerate(blocks):
-        table[i, :n] = order[taken : taken + n].int()
-        taken += n
-    cache = (sum(blocks), BLOCK_SIZE, kv_heads, head_dim)
-    k = torch.randn(cache, device="cuda", dtype=torch.bfloat16)
-    v = torch.randn(cache, device="cuda", dtype=torch.bfloat16)
+    k, v, table = paged_cache(seq_lens, kv_heads, head_dim)
     num_tokens = sum(new for _, new in seqs)
     q = torch.randn((num_tokens, heads, head_dim), device="cuda", dtype=torch.bfloat16)
     starts = torch.tensor([0] + list(itertools.accumulate(new for _, new in seqs)))
@@ -58,7 +49,7 @@ def make_inputs(heads: int, kv_heads: int, head_dim: int, seqs: list[tuple[int, 
     # each new token's query meets cached + its own index + 1 keys: QK^T and PV, 2 FLOPs a MAC
     keys_seen = sum(new * cached + new * (new + 1) // 2 for cached, new in seqs)
     flops = 4 * heads * head_dim * keys_seen
-    args = (q, k, v, starts.int().cuda(), lens.cuda(), table.cuda())
+    args = (q, k, v, starts.int().cuda(), lens.cuda(), table)
     return args, max(new for _, new in seqs), flops
 
 
@@ -70,11 +61,7 @@ def time_config(args: tuple, max_query_len: int, config: tuple) -> float:
         extend_attention(*args, max_query_len, args[0].shape[-1] ** -0.5, out=out,
                          block_m=block_m, block_n=block_n, num_warps=warps, num_stages=stages)
 
-    run()  # compiles outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
-    return median_ms(graph.replay)
+    return median_ms(graphed(run).replay)
 
 
 def main() -> None:
