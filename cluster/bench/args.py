@@ -78,9 +78,9 @@ def add_bench_parsers(subparsers: argparse._SubParsersAction) -> None:
     throughput.add_argument("--max-len", type=int, default=1024)
     throughput.add_argument("--hf-batch-sizes", default="16,64,256",
                             help="generate() batch sizes tried, on the first B requests")
-    throughput.add_argument("--hf-max-new-tokens", type=int, default=256,
+    throughput.add_argument("--hf-max-new-tokens", type=int, default=0,
                             help="cap on HF output tokens per request (useful tok/s counted); "
-                                 "--max-len gives HF the workload's own output lengths")
+                                 "0: each request's own length, the same work as tandem's")
     throughput.add_argument("--hf-batch-requests", type=int, default=64,
                             help="requests for generate_batch() (0: skip it)")
     throughput.set_defaults(handler=run_throughput)

@@ -47,12 +47,15 @@ def timed_generate(model, requests: list[Request], new_tokens: int,
 
 def generate_throughput(model, requests: list[Request], batch_sizes: list[int],
                         max_new_tokens: int, device: torch.device) -> dict:
-    """Useful output tok/s of one padded generate() over the first B requests, per B."""
+    """Useful output tok/s of one padded generate() over the first B requests, per B.
+    max_new_tokens caps each request's output (less work than asked); 0: no cap."""
     timed_generate(model, requests[:2], 4, device)  # warm-up
     runs = []
     for batch_size in tqdm(batch_sizes, desc="hf generate()"):
         batch = requests[:batch_size]
-        new_tokens = min(max(r.max_tokens for r in batch), max_new_tokens)
+        new_tokens = max(r.max_tokens for r in batch)
+        if max_new_tokens:
+            new_tokens = min(new_tokens, max_new_tokens)
         seconds = timed_generate(model, batch, new_tokens, device)
         useful = sum(min(r.max_tokens, new_tokens) for r in batch)
         capped = new_tokens < max(r.max_tokens for r in batch)  # less work than tandem's
@@ -82,11 +85,13 @@ def generate_latency(model, prompt: list[int], output_len: int, device: torch.de
 
 def generate_batch_throughput(model, requests: list[Request], max_new_tokens: int,
                               device: torch.device) -> dict:
-    """Continuous batching through ``generate_batch()``; an 'error' entry where it fails."""
+    """Continuous batching through ``generate_batch()``; an 'error' entry where it fails. Every
+    request gets max_new_tokens (0: the longest request's), all of them counted."""
     if not hasattr(model, "generate_batch"):
         return {"error": "this transformers version has no generate_batch()"}
     from transformers import GenerationConfig
 
+    max_new_tokens = max_new_tokens or max(r.max_tokens for r in requests)
     config = GenerationConfig(max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
                               do_sample=False, eos_token_id=-1, pad_token_id=0)
     inputs = [r.prompt_token_ids for r in requests]

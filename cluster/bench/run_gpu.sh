@@ -21,7 +21,7 @@ stage "W2 throughput" ${W2_TIME:-170} python -m cluster.bench throughput --shape
   --hf-batch-sizes ${W2_HF_BATCHES:-256} --hf-max-new-tokens 256 --hf-batch-requests 0 \
   --output "$OUT/w2.json"
 stage "W2 vs HF, same work" ${W2_FULL_TIME:-400} python -m cluster.bench throughput --shape qwen3-0.6b \
-  --hf-batch-sizes 256 --hf-max-new-tokens 1024 --hf-batch-requests 0 --output "$OUT/w2-hf-same-work.json"
+  --hf-batch-sizes 256 --hf-batch-requests 0 --output "$OUT/w2-hf-same-work.json"
 stage "W2 throughput, no lookahead" ${W2_TIME:-170} python -m cluster.bench throughput --shape qwen3-0.6b \
   --no-hf --no-decode-lookahead --output "$OUT/w2-no-lookahead.json"
 stage "W4 prefix" ${W4_TIME:-170} python -m cluster.bench prefix --shape llama-3.2-1b \

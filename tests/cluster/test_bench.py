@@ -50,11 +50,15 @@ def test_roofline_arithmetic():
     assert bound["output_tokens_per_s"] == pytest.approx(4 / bound["seconds"])
 
 
-def test_tiny_throughput_run_writes_every_figure(tiny_models, tmp_path, capsys):
+@pytest.mark.parametrize("hf_cap, hf_work", [
+    (["--hf-max-new-tokens", "8"], "<= 8 new"),  # capped at 8 of the requests' 8-16 tokens
+    ([], "their own output lengths"),  # the default: HF does the same work as tandem
+])
+def test_tiny_throughput_run_writes_every_figure(tiny_models, tmp_path, capsys, hf_cap, hf_work):
     output = tmp_path / "w2.json"
     code = main(["bench", "throughput", "--model", str(tiny_models["llama"]), "--device", "cpu",
                  "--num-requests", "4", "--min-len", "8", "--max-len", "16",
-                 "--hf-batch-sizes", "2,4", "--hf-max-new-tokens", "8",
+                 "--hf-batch-sizes", "2,4", *hf_cap,
                  "--hf-batch-requests", "0", "--cpu-kv-cache-gb", "0.05",
                  "--output", str(output)])
     assert code == 0
@@ -72,8 +76,13 @@ def test_tiny_throughput_run_writes_every_figure(tiny_models, tmp_path, capsys):
     assert record["summary"]["speedup_vs_best_hf"] > 0
     out = capsys.readouterr().out
     assert "| tandem |" in out
-    # the HF runs were capped at 8 of the requests' 8-16 new tokens: the table says so
-    assert "| HF generate() batch 4 (first 4 requests, <= 8 new) |" in out
+    # the table says whether HF did the requests' own work (the best batch size: 2 or 4)
+    best = record["hf_generate"]["best"]
+    batch = requests[: best["batch_size"]]
+    assert f"(first {len(batch)} requests, {hf_work}) |" in out
+    if not hf_cap:
+        assert best["useful_output_tokens"] == sum(r.max_tokens for r in batch)
+        assert best["new_tokens"] == max(r.max_tokens for r in batch)
 
 
 def test_hf_label_says_whether_it_did_the_requests_own_work():
