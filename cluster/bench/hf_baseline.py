@@ -53,12 +53,11 @@ def generate_throughput(model, requests: list[Request], batch_sizes: list[int],
     runs = []
     for batch_size in tqdm(batch_sizes, desc="hf generate()"):
         batch = requests[:batch_size]
-        new_tokens = max(r.max_tokens for r in batch)
-        if max_new_tokens:
-            new_tokens = min(new_tokens, max_new_tokens)
+        longest = max(r.max_tokens for r in batch)
+        new_tokens = min(longest, max_new_tokens) if max_new_tokens else longest
         seconds = timed_generate(model, batch, new_tokens, device)
         useful = sum(min(r.max_tokens, new_tokens) for r in batch)
-        capped = new_tokens < max(r.max_tokens for r in batch)  # less work than tandem's
+        capped = new_tokens < longest  # less work than tandem's
         runs.append({"batch_size": len(batch), "new_tokens": new_tokens, "capped": capped,
                      "seconds": seconds, "useful_output_tokens": useful,
                      "output_tokens_per_s": useful / seconds})

@@ -24,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from workers.layers.fused_kernels import inverse_rms_of_row
+
 
 @triton.jit
 def _scaled(x, row_scale, ROW_SCALE: tl.constexpr):
@@ -31,13 +33,6 @@ def _scaled(x, row_scale, ROW_SCALE: tl.constexpr):
     if ROW_SCALE:
         x = (x.to(tl.float32) * row_scale).to(x.dtype)
     return x
-
-
-@triton.jit
-def _inverse_rms_of_row(row_ptr, size, eps, BLOCK: tl.constexpr):
-    offs = tl.arange(0, BLOCK)
-    x = tl.load(row_ptr + offs, mask=offs < size, other=0.0).to(tl.float32)
-    return tl.rsqrt(tl.sum(x * x, axis=0) / size + eps)
 
 
 @triton.jit
@@ -66,7 +61,7 @@ def _normed_rotated_heads(
         whole = tl.load(row_ptr + heads * HEAD_DIM + offs_d,
                         mask=(heads < num_heads) & (offs_d < HEAD_DIM), other=0.0)
     if FIND_SCALE:
-        row_scale = _inverse_rms_of_row(scale_row_ptr, scale_size, scale_eps, BLOCK_S)
+        row_scale = inverse_rms_of_row(scale_row_ptr, scale_size, scale_eps, BLOCK_S)
     x1, x2 = _scaled(x1, row_scale, ROW_SCALE), _scaled(x2, row_scale, ROW_SCALE)
     if QK_NORM:
         # the sum of squares over the whole head, as RMSNorm takes it

@@ -83,6 +83,15 @@ def add_rms_norm(
 
 
 @triton.jit
+def inverse_rms_of_row(row_ptr, size, eps, BLOCK: tl.constexpr):
+    """1 / RMS of size values at row_ptr (BLOCK: size padded to a power of two), as RMSNorm
+    takes it: for kernels scaling the output of a projection whose norm weight is folded."""
+    offs = tl.arange(0, BLOCK)
+    x = tl.load(row_ptr + offs, mask=offs < size, other=0.0).to(tl.float32)
+    return tl.rsqrt(tl.sum(x * x, axis=0) / size + eps)
+
+
+@triton.jit
 def _silu_and_mul_kernel(
     gate_up_ptr,  # (T, 2 * N): gate in the first half of a row, up in the second
     out_ptr,  # (T, N), contiguous
@@ -105,10 +114,8 @@ def _silu_and_mul_kernel(
     if ROW_SCALE:
         # gate_up took the layer's input before its RMSNorm (weights folded): scale each value
         # by the row's 1 / RMS and round, as the projection of the normed row would have
-        offs_s = tl.arange(0, BLOCK_S)
-        x = tl.load(scale_rows_ptr + token * stride_st + offs_s, mask=offs_s < scale_size,
-                    other=0.0).to(tl.float32)
-        rstd = tl.rsqrt(tl.sum(x * x, axis=0) / scale_size + scale_eps)
+        rstd = inverse_rms_of_row(scale_rows_ptr + token * stride_st, scale_size, scale_eps,
+                                  BLOCK_S)
         gate = (gate.to(tl.float32) * rstd).to(gate_up_ptr.dtype.element_ty)
         up = (up.to(tl.float32) * rstd).to(gate_up_ptr.dtype.element_ty)
     gate, up = gate.to(tl.float32), up.to(tl.float32)

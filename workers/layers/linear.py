@@ -168,8 +168,6 @@ class RowParallelLinear(ShardedLinear):
         """residual += self(x), in place (residual: the decoder's residual stream, (T, out)).
         On one rank without a bias it is one GEMM that reads residual as its C operand (one
         rounding, where the separate add rounds twice); otherwise the output is added after."""
-        if self.tp.size == 1 and self.bias is None and not (
-            self.gemv_for_one_row and x.shape[0] == 1
-        ):
+        if self.tp.size == 1 and self.bias is None:
             return residual.addmm_(x, self.weight.t())
         return residual.add_(self(x))
