@@ -42,7 +42,7 @@ def worker_config(config: EngineConfig, folder: Path) -> WorkerConfig:
         gpu_memory_utilization=config.gpu_memory_utilization,
         max_num_batched_tokens=config.max_num_batched_tokens, seed=config.seed,
         max_num_seqs=config.max_num_seqs, enforce_eager=config.enforce_eager,
-        symmetric_all_reduce=config.symmetric_all_reduce,
+        symmetric_all_reduce=config.symmetric_all_reduce, max_model_len=config.max_model_len,
     )
 
 

@@ -42,6 +42,7 @@ class WorkerConfig:
     enforce_eager: bool = False  # no CUDA graphs: every step runs eagerly
     symmetric_all_reduce: bool = True  # TP on GPUs: small sums through peer memory, not NCCL
     seed: int = 0
+    max_model_len: int | None = None  # the longest sequence; None: the model's own length
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -206,11 +207,13 @@ class Worker:
         """Allocates the cache, then captures the decode graphs that read it."""
         self._use_device()
         self._allocate_kv_cache(num_blocks)
+        # what the engine admits: no sequence outgrows its length or the cache
+        model_len = self.config.max_model_len or self.hf_config.max_position_embeddings
+        max_model_len = min(model_len, num_blocks * self.config.block_size)
+        self.model.build_rotary_table(max_model_len)
         if self.uses_graphs:  # the same on every rank: config, backend and device type
             from workers.cuda_graphs import DecodeGraphs, capture_on_every_rank
 
-            max_model_len = min(self.hf_config.max_position_embeddings,
-                                num_blocks * self.config.block_size)
             self.graphs = capture_on_every_rank(
                 lambda: DecodeGraphs(self.model, self.kv_caches, self.config.max_num_seqs,
                                      max_model_len, self.config.block_size, self.device),

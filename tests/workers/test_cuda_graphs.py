@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from workers.cuda_graphs import bucket_for, capture_sizes, pack_padded, packed_size
+from workers.cuda_graphs import StaticInputs, bucket_for, capture_sizes, pack_padded, packed_size
 from workers.input_batch import build_decode_rows, build_input_batch, decode_batch
 from workers.request_state import RequestState
 from workers.sampler import SamplingSpec
@@ -85,6 +85,26 @@ def test_pack_padded_reuses_a_buffer_without_stale_rows():
     rows = build_decode_rows(decode, states, block_size=4)
     packed = pack_padded(rows, bucket=4, out=buffer)
     assert np.shares_memory(packed, buffer) and 99 not in packed.tolist()
+
+
+def test_static_inputs_load_fills_the_bucket_and_keeps_the_rest():
+    states, decode = states_and_steps()
+    rows = build_decode_rows(decode, states, block_size=4)
+    inputs = StaticInputs.allocate(max_batch=8, max_blocks=3, device=torch.device("cpu"))
+    inputs.block_tables.fill_(9)
+    inputs.load(torch.from_numpy(pack_padded(rows, bucket=4)), bucket=4, width=2)
+    assert inputs.input_ids.tolist() == [10, 3, 0, 0, 0, 0, 0, 0]
+    assert inputs.positions.tolist() == [5, 2, 0, 0, 0, 0, 0, 0]
+    assert inputs.slot_mapping.tolist() == [29, 10, -1, -1, -1, -1, -1, -1]
+    assert inputs.seq_lens.tolist() == [6, 3, 0, 0, 0, 0, 0, 0]
+    assert inputs.decode_order.tolist() == [0, 1, 2, 3, 4, 5, 6, 7]
+    assert (inputs.seq_lens.dtype, inputs.decode_order.dtype) == (torch.int32, torch.int32)
+    # the bucket's rows take the step's `width` columns; the third column keeps stale blocks
+    assert inputs.block_tables[:5].tolist() == [[3, 7, 9], [2, 0, 9], [0, 0, 9], [0, 0, 9],
+                                                [9, 9, 9]]
+    meta = inputs.metadata(bucket=4, max_seq_len=12, num_splits=2)
+    assert meta.slot_mapping.tolist() == [29, 10, -1, -1]
+    assert meta.seq_lens.tolist() == [6, 3, 0, 0]
 
 
 @pytest.mark.gpu

@@ -328,6 +328,12 @@ class LlamaForCausalLM(nn.Module):
         """Final normed hidden states, (T, hidden); pick the rows to sample, then compute_logits."""
         return self.model(input_ids, positions, kv_caches, meta)
 
+    def build_rotary_table(self, num_positions: int) -> None:
+        """Precomputes rotary cos/sin for positions below num_positions (every position a
+        step may then take): a step gathers its rows instead of computing them."""
+        embedding = self.model.embed_tokens.weight
+        self.model.rotary_emb.build_table(num_positions, embedding.dtype, embedding.device)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(N, hidden) → (N, vocab_size) over the full vocabulary, on every rank."""
         return self.lm_head.compute_logits(hidden)
