@@ -1,9 +1,9 @@
 """Processes: the engine, its executors, the offline API, the server and the CLI."""
 
-from cluster.config import EngineConfig
-from cluster.engine import LLMEngine
-from cluster.llm import LLM
-from cluster.outputs import CompletionOutput, EngineStats, RequestOutput
+from cluster.engine.config import EngineConfig
+from cluster.engine.llm import LLM
+from cluster.engine.llm_engine import LLMEngine
+from cluster.engine.outputs import CompletionOutput, EngineStats, RequestOutput
 from router.sampling_params import SamplingParams
 
 __all__ = [

@@ -9,7 +9,7 @@ import pytest
 
 from tests.tiny_models import SPECS, build_tiny_model
 
-# Serve as `tandem serve` runs it (cluster/serve_cli.py): set before any module imports Ray
+# Serve as `tandem serve` runs it (cluster/cli/serve.py): set before any module imports Ray
 # Serve, which reads it once, and before the session's Ray starts, whose processes inherit it
 os.environ.setdefault("RAY_SERVE_THROUGHPUT_OPTIMIZED", "1")
 

@@ -19,6 +19,7 @@ from cluster.bench.engine_runs import (
 )
 from cluster.bench.report import environment, markdown_table, publish, write_json
 from cluster.bench.shapes import build_random_model
+from cluster.bench.triton_compiles import CompileLog
 from cluster.bench.workloads import (
     Request,
     ideal_prefix_hit_rate,
@@ -26,7 +27,6 @@ from cluster.bench.workloads import (
     prefix_requests,
     throughput_requests,
 )
-from workers import triton_compiles
 from workers.catalog import cache_root, resolve_model
 from workers.loader import load_config, weight_files
 
@@ -48,7 +48,7 @@ class Setup:
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
-        triton_compiles.record()
+        self.compiles = CompileLog.start()
         self.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         name = args.dtype if args.dtype != "auto" else (
             "bfloat16" if self.device.type == "cuda" else "float32")
@@ -85,6 +85,9 @@ class Setup:
             seed=a.seed, block_size=a.block_size,
         )
         return make_llm(self.folder, **(engine_args | overrides))
+
+    def run(self, llm, requests: list[Request]) -> dict:
+        return run_requests(llm, requests, self.device, self.compiles)
 
     def hf_model(self):
         return hf.load_hf_model(self.folder, self.dtype, self.device)
@@ -172,8 +175,8 @@ def throughput(args: argparse.Namespace) -> int:
     requests = throughput_requests(args.num_requests, args.min_len, args.max_len,
                                    setup.vocab_size, args.seed)
     llm = setup.engine()
-    run_requests(llm, [Request(r.prompt_token_ids, 8) for r in requests[:8]], setup.device)
-    tandem = run_requests(llm, requests, setup.device)
+    setup.run(llm, [Request(r.prompt_token_ids, 8) for r in requests[:8]])
+    tandem = setup.run(llm, requests)
     tandem.pop("token_ids")
     engine_info = engine_summary(llm)
     release(llm)
@@ -240,8 +243,8 @@ def prefix(args: argparse.Namespace) -> int:
     results = {}
     for cache in (True, False):
         llm = setup.engine(enable_prefix_caching=cache)
-        run_requests(llm, warmup, setup.device)
-        results["on" if cache else "off"] = run_requests(llm, requests, setup.device)
+        setup.run(llm, warmup)
+        results["on" if cache else "off"] = setup.run(llm, requests)
         results["on" if cache else "off"].pop("token_ids")
         release(llm)
     on, off = results["on"], results["off"]

@@ -7,10 +7,10 @@ from dataclasses import asdict
 import torch
 
 from cluster.bench.roofline import synchronize
+from cluster.bench.triton_compiles import CompileLog
 from cluster.bench.workloads import Request
-from cluster.llm import LLM
+from cluster.engine.llm import LLM
 from router.sampling_params import SamplingParams
-from workers import triton_compiles
 
 
 def percentiles(values: list[float]) -> dict:
@@ -44,13 +44,14 @@ def greedy(request: Request) -> SamplingParams:
 
 
 def run_requests(llm: LLM, requests: list[Request], device: torch.device,
-                 desc: str = "tandem") -> dict:
+                 compiles: CompileLog | None = None) -> dict:
     """Runs every request at once (offline); wall time, token counts, per-request latencies."""
     before = llm.stats()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     synchronize(device)
-    compiles_before = len(triton_compiles.seen)
+    compiles = compiles or CompileLog()
+    compiles_before = len(compiles.seen)
     start = time.perf_counter()
     outputs = llm.generate([r.prompt_token_ids for r in requests],
                            [greedy(r) for r in requests], use_tqdm=True)
@@ -79,7 +80,7 @@ def run_requests(llm: LLM, requests: list[Request], device: torch.device,
                               if device.type == "cuda" else None),
         "kv_blocks_total": after.kv_blocks_total,
         # kernels compiled inside the timed run (each a stall of up to a second): a warm-up gap
-        "triton_compiles": [f"{c.kernel} {c.key}" for c in triton_compiles.seen[compiles_before:]],
+        "triton_compiles": compiles.since(compiles_before),
         "token_ids": [out.token_ids for out in outputs],
     }
 

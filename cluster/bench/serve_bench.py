@@ -213,7 +213,7 @@ def parse_loads(args: argparse.Namespace) -> list[Load]:
 
 
 def serve_bench(args: argparse.Namespace) -> int:
-    from cluster.serve_cli import THROUGHPUT_OPTIMIZED_ENV, throughput_optimized_env
+    from cluster.cli.serve import THROUGHPUT_OPTIMIZED_ENV, throughput_optimized_env
 
     loads = parse_loads(args)
     # as `tandem serve` runs it (the Ray instance below starts with this environment)
@@ -232,9 +232,9 @@ async def _serve_bench(args: argparse.Namespace, loads: list[Load]) -> int:
     from ray import serve
 
     from cluster.bench.report import environment, publish
-    from cluster.serve_app import server_app
-    from cluster.serve_config import load_config
-    from cluster.tandem_cluster import TandemCluster
+    from cluster.ray.tandem_cluster import TandemCluster
+    from cluster.serve.app import server_app
+    from cluster.serve.config import load_config
     from workers.loader import load_config as load_hf_config
 
     if args.shape:

@@ -22,7 +22,7 @@ import torch
 from cluster.bench.report import environment, markdown_table
 from cluster.bench.roofline import measure_bandwidth
 from cluster.bench.shapes import build_random_model
-from cluster.llm import LLM
+from cluster.engine.llm import LLM
 from router.sampling_params import SamplingParams
 
 AGREEMENT_PROMPTS = 4

@@ -4,7 +4,7 @@ import os
 import numpy as np
 import pytest
 
-from cluster.cli import main as tandem
+from cluster.cli.main import main as tandem
 from workers import catalog
 from workers.catalog import CATALOG, DEFAULT_MODEL, ChecksumError, resolve_model
 from workers.catalog.gguf_import import hf_tensor_name, unpermute_rotary

@@ -111,7 +111,7 @@ def test_static_inputs_load_fills_the_bucket_and_keeps_the_rest():
 def test_graph_replay_and_decode_steps_match_eager(tiny_models):
     """Eager one step a call = graphs one step a call = graphs 8 steps a call (tokens fed on
     the device) = the same with the lookahead step, greedy and seeded sampling alike."""
-    from cluster.llm import LLM
+    from cluster.engine.llm import LLM
     from router.sampling_params import SamplingParams
 
     prompts = [[1, 2, 3, 4, 5], [7] * 20, [9, 8, 7]]

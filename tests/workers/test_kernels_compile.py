@@ -1,5 +1,6 @@
 """Every Triton kernel compiles for the H100/H200 (sm_90) down to a cubin, on this CPU: the
-interpreter the other kernel tests use never runs Triton's compiler (workers/compile_check.py)."""
+interpreter the other kernel tests use never runs Triton's compiler
+(tools/kernels/compile_check.py)."""
 
 import os
 import subprocess
@@ -13,7 +14,7 @@ KERNELS = ("_gemv_kernel", "_qkv_rotary_kernel", "_rms_norm_kernel",
 
 def test_every_kernel_compiles_for_sm_90():
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
-    result = subprocess.run([sys.executable, "-m", "workers.compile_check"], env=env,
+    result = subprocess.run([sys.executable, "-m", "tools.kernels.compile_check"], env=env,
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:] + result.stdout[-3000:]
     compiled = result.stdout.splitlines()
@@ -28,7 +29,7 @@ def test_every_kernel_compiles_for_sm_90():
 
 def test_refuses_to_run_under_the_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1")
-    result = subprocess.run([sys.executable, "-m", "workers.compile_check"], env=env,
+    result = subprocess.run([sys.executable, "-m", "tools.kernels.compile_check"], env=env,
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 1
     assert "run it without TRITON_INTERPRET=1" in result.stderr

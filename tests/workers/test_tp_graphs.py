@@ -13,7 +13,7 @@ def test_tensor_parallel_graph_replay_matches_eager(ray_session, tiny_models):
     off, the shard actors' logs say why."""
     import ray
 
-    from cluster.llm import LLM
+    from cluster.engine.llm import LLM
     from router.sampling_params import SamplingParams
 
     prompts = [[1, 2, 3, 4, 5], [7] * 20, [9, 8, 7], list(range(40, 77))]
@@ -56,7 +56,7 @@ def test_peer_memory_sums_equal_nccl_at_decode_sizes():
 
     with tempfile.TemporaryDirectory() as folder:
         out = Path(folder) / "sums.json"
-        subprocess.run([sys.executable, "-m", "cluster.bench.all_reduce", "--rows", "1", "3",
+        subprocess.run([sys.executable, "-m", "tools.profile.all_reduce", "--rows", "1", "3",
                         "64", "--hidden", "1024", "--replays", "2",
                         "--output", str(out)], check=True, timeout=240)
         rows = json.loads(out.read_text())["rows"]

@@ -170,7 +170,7 @@ def choose_num_splits(batch_size: int, num_kv_heads: int, max_seq_len: int, num_
 def default_tile(num_splits: int, head_dim: int) -> tuple[int, int, int]:
     """(BLOCK_N, num_warps, num_stages). One split means a batch large enough to fill the GPU;
     there a step reads 8,192 values of K (and of V) a program, three steps in flight: with the
-    rows longest first, `python -m workers.attention.tune_decode` measured on an H200 153.5
+    rows longest first, `python -m tools.kernels.tune_decode` measured on an H200 153.5
     against 157.6 us for 128-token steps at W2's mix (batch 128, contexts 200-2000, Qwen3-0.6B
     heads, head_dim 128), and 52.7 us at W3's (batch 64, Llama-3.2-1B heads, head_dim 64; best
     52.5). Split contexts (small batches) keep 64-token steps, which waste less on each split's

@@ -152,7 +152,7 @@ def extend_attention(
 ) -> torch.Tensor:
     """Causal paged attention of each sequence's new tokens over its whole context.
 
-    The default tile is the best of ``python -m workers.attention.tune_extend`` on an H200 at
+    The default tile is the best of ``python -m tools.kernels.tune_extend`` on an H200 at
     W2's prefill steps and W4's prefix hits (2 stages: 437 against 551 µs a layer at W4's)."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, page_size = k_cache.shape[2], k_cache.shape[1]

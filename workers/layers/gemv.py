@@ -220,7 +220,7 @@ def _qkv_rotary_kernel(
 def default_config(
     num_outputs: int, k: int, silu_mul: bool, itemsize: int = 2
 ) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps, num_stages), from `python -m workers.layers.tune_gemv` on
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages), from `python -m tools.kernels.tune_gemv` on
     an H200 with the chunk loads pipelined, bf16: a few rows a program (hundreds of programs, so
     every SM has loads in flight from the start), 4 warps and 2 chunks requested ahead. gate_up
     (two rows an output) streams best in short chunks of more rows; the other projections in

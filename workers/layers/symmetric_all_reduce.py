@@ -2,7 +2,7 @@
 
 A decode step of a tensor-parallel model all-reduces two hidden-state rows per layer (attention
 and MLP outputs): 8 KB at batch 1 for an 8B model, 65 times a step. Inside a CUDA graph NCCL
-takes ~21 µs for each (cluster/bench/all_reduce.py, two H200s). Here every rank of the group
+takes ~21 µs for each (tools/profile/all_reduce.py, two H200s). Here every rank of the group
 maps one buffer of every other rank (PyTorch symmetric memory over NVLink) and one kernel does
 the sum, with one of two kernels (``TANDEM_PEER_SUM``):
 

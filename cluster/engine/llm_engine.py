@@ -1,0 +1,272 @@
+"""The engine of one replica: requests in, a step at a time, outputs out.
+
+Each ``step()`` asks the scheduler what to run, sends the workers one ``StepInput``, commits
+the sampled tokens, and turns them into ``RequestOutput``s (text, stop strings, metrics).
+"""
+
+import itertools
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from cluster.engine.config import EngineConfig
+from cluster.engine.executor import Executor, UniExecutor
+from cluster.engine.metrics import EngineMetrics, MetricsSnapshot
+from cluster.engine.output_processor import (
+    CompletionTracker,
+    RequestTracker,
+    add_token,
+    finish_completion,
+    make_tracker,
+)
+from cluster.engine.outputs import EngineStats, RequestDelta, RequestOutput
+from cluster.engine.step_builder import StepBuilder
+from cluster.engine.tokenizer import Message, apply_chat_template, eos_token_ids, load_tokenizer
+from kvstore.kv_cache_manager import KVCacheManager
+from router.sampling_params import SamplingParams
+from router.scheduler import Scheduler, SchedulerConfig
+from router.sequence import FinishReason, Sequence
+from workers.catalog import resolve_model
+from workers.gc_freeze import freeze_start_up_objects, unfreeze
+from workers.loader import load_config
+from workers.worker import WorkerConfig
+
+Prompt = str | list[int]
+
+
+def worker_config(config: EngineConfig, folder: Path) -> WorkerConfig:
+    return WorkerConfig(
+        model_path=str(folder), device=config.resolved_device, dtype=config.dtype,
+        block_size=config.block_size, attention_backend=config.attention_backend,
+        cpu_kv_cache_bytes=int(config.cpu_kv_cache_gb * (1 << 30)),
+        gpu_memory_utilization=config.gpu_memory_utilization,
+        max_num_batched_tokens=config.max_num_batched_tokens, seed=config.seed,
+        max_num_seqs=config.max_num_seqs, enforce_eager=config.enforce_eager,
+        symmetric_all_reduce=config.symmetric_all_reduce, max_model_len=config.max_model_len,
+    )
+
+
+def make_executor(config: EngineConfig, folder: Path) -> Executor:
+    if config.executor_backend == "ray":
+        from cluster.ray.ray_executor import RayExecutor
+
+        return RayExecutor(worker_config(config, folder), config.tensor_parallel_size)
+    return UniExecutor(worker_config(config, folder))
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, executor: Executor | None = None) -> None:
+        self.config = config
+        self.model_path = resolve_model(config.model)
+        hf_config = load_config(self.model_path)
+        self.vocab_size = hf_config.vocab_size
+        self.tokenizer = load_tokenizer(self.model_path)
+        self.eos_token_ids = eos_token_ids(self.model_path, self.tokenizer)
+        self.executor = executor or make_executor(config, self.model_path)
+        num_blocks = config.num_kv_blocks or self.executor.determine_num_kv_blocks()
+        self.executor.init_kv_cache(num_blocks)
+        self.kv_capacity = num_blocks * config.block_size
+        self.model_len = config.max_model_len or hf_config.max_position_embeddings
+        # a sequence must fit the cache alone, or preempting everyone else would not save it
+        self.max_model_len = min(self.model_len, self.kv_capacity)
+        kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
+                            extra_keys=(str(self.model_path),))
+        self.scheduler = Scheduler(SchedulerConfig(
+            self.max_model_len, config.max_num_batched_tokens, config.max_num_seqs,
+            config.max_prefill_chunk, decode_steps=config.resolved_decode_steps,
+            decode_lookahead=config.decode_lookahead,
+        ), kv)
+        self.step_builder = StepBuilder()
+        self.requests: dict[str, RequestTracker] = {}
+        self.seq_to_request: dict[str, str] = {}
+        self._ids = itertools.count()
+        self.metrics = EngineMetrics()
+        freeze_start_up_objects()  # full collections would walk all of the above each time
+
+    # -- requests ---------------------------------------------------------------------------
+
+    def tokenize(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: give prompts as token ids")
+            return self.tokenizer.encode(prompt)
+        return list(prompt)
+
+    def chat_prompt(self, messages: list[Message]) -> list[int]:
+        return apply_chat_template(self.tokenizer, messages)
+
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        """Queues a request; bad input raises ValueError and changes nothing."""
+        params = params or SamplingParams()
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if request_id in self.requests:
+            raise ValueError(f"request id '{request_id}' is already in use")
+        prompt_ids = self.tokenize(prompt)
+        self.check_prompt(prompt_ids)
+        seq_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
+        text = prompt if isinstance(prompt, str) else None
+        tracker = make_tracker(request_id, text, prompt_ids, params, seq_ids, self.tokenizer)
+        self.requests[request_id] = tracker
+        for index, seq_id in enumerate(seq_ids):
+            seq_params = params
+            if params.n > 1 and params.seed is not None:  # distinct, reproducible samples
+                seq_params = replace(params, seed=params.seed + index)
+            self.seq_to_request[seq_id] = request_id
+            self.scheduler.add(Sequence(seq_id, prompt_ids, seq_params, self.eos_token_ids,
+                                        arrival_time=tracker.metrics.arrival_time))
+        return request_id
+
+    def check_prompt(self, prompt_ids: list[int]) -> None:
+        if not prompt_ids:
+            raise ValueError("prompt is empty")
+        bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is out of range for a vocabulary of "
+                             f"{self.vocab_size}")
+        if len(prompt_ids) >= self.max_model_len:
+            limit = (f"max_model_len is {self.model_len}" if self.model_len <= self.kv_capacity
+                     else f"the KV cache holds {self.kv_capacity} tokens")
+            raise ValueError(f"prompt has {len(prompt_ids)} tokens: {limit}, "
+                             "which leaves no room to generate")
+
+    def abort(self, request_id: str) -> None:
+        """Ends a request at once and frees its blocks; unknown ids are ignored."""
+        tracker = self.requests.pop(request_id, None)
+        if tracker is None:
+            return
+        for seq_id, completion in tracker.completions.items():
+            seq = self.scheduler.finish(seq_id, FinishReason.ABORT)
+            if seq is not None:
+                finish_completion(completion, seq)
+            self.seq_to_request.pop(seq_id, None)
+        self.metrics.on_finish("abort", time.monotonic() - tracker.metrics.arrival_time)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- the step ---------------------------------------------------------------------------
+
+    def step(self, only_finished: bool = False) -> list[RequestOutput]:
+        """Runs one step; the outputs of the requests it advanced (whole copies of each).
+
+        ``only_finished``: return only finished requests' outputs, for callers that do not
+        stream (``LLM.generate``); copying every running request's tokens each step is the
+        largest per-step cost at large batches.
+        """
+        touched = self._advance()
+        outputs = [t.snapshot() for t in touched if not only_finished or t.finished]
+        self._drop_finished(touched)
+        return outputs
+
+    def step_deltas(self) -> list[RequestDelta]:
+        """Runs one step; what each advanced request gained in it (for streaming)."""
+        touched = self._advance()
+        deltas = [t.delta() for t in touched]
+        self._drop_finished(touched)
+        return deltas
+
+    def _advance(self) -> list[RequestTracker]:
+        scheduled = self.scheduler.schedule()
+        if scheduled.is_empty and not scheduled.released_ids:
+            return []
+        result = self.executor.execute(self.step_builder.build(scheduled))
+        sampled = dict(zip(result.request_ids, result.token_ids, strict=True))
+        self.metrics.batch_size = len(scheduled.scheduled)
+        scheduled_seqs = {item.seq.request_id: item.seq for item in scheduled.scheduled}
+        num_before = {seq_id: seq.num_tokens for seq_id, seq in scheduled_seqs.items()}
+        finished = {seq.request_id: seq for seq in self.scheduler.update(scheduled, sampled)}
+        now = time.monotonic()
+        touched: dict[str, RequestTracker] = {}
+        for row, seq_id in enumerate(result.request_ids):
+            request_id = self.seq_to_request.get(seq_id)
+            if request_id is None:
+                continue  # aborted while its step ran
+            tracker = self.requests[request_id]
+            touched[request_id] = tracker
+            completion = tracker.completions[seq_id]
+            seq = scheduled_seqs[seq_id]
+            kept = result.token_ids[row][: seq.num_tokens - num_before[seq_id]]  # to a stop
+            num_output = len(kept)
+            for index, token_id in enumerate(kept):
+                logprobs = result.logprobs[row][index] if result.logprobs is not None else None
+                stop = add_token(completion, tracker.params, token_id, logprobs)
+                if stop is None:
+                    continue
+                num_output = index + 1  # a stop string: the tokens after it are dropped
+                if seq_id not in finished:
+                    if self.scheduler.finish(seq_id, FinishReason.STOP, stop_reason=stop):
+                        finished[seq_id] = seq
+                else:  # finished by length or EOS on a token at or after the stop string
+                    seq.finish(FinishReason.STOP, stop_reason=stop)
+                break
+            self._record_tokens(tracker, completion, seq, now, num_output, len(kept))
+            if seq_id in finished:
+                finish_completion(completion, finished[seq_id])
+                self._record_finish(tracker, finished[seq_id], now)
+        return list(touched.values())
+
+    def _drop_finished(self, trackers: list[RequestTracker]) -> None:
+        for tracker in trackers:
+            if tracker.finished:
+                self._drop(tracker.request_id)
+
+    def _record_tokens(self, tracker: RequestTracker, completion: CompletionTracker,
+                       seq: Sequence, now: float, count: int, num_sampled: int) -> None:
+        """Metrics of ``count`` new output tokens of one completion, the first ``count`` of
+        the ``num_sampled`` its call returned: a call of k decode steps spreads its time over
+        its k tokens for the inter-token latency, as if they had come one at a time."""
+        if not count:
+            return
+        self.metrics.generation_tokens += count
+        last = completion.last_token_time
+        if last is None:  # the first token: time to first token and queue time
+            last = completion.last_token_time = now
+            count -= 1
+            if tracker.metrics.first_token_time is None:
+                tracker.metrics.first_token_time = now
+                arrival = tracker.metrics.arrival_time
+                scheduled = seq.first_scheduled_time or arrival
+                self.metrics.on_first_token(len(tracker.prompt_token_ids), now - arrival,
+                                            scheduled - arrival)
+        if count:
+            gap = (now - last) / num_sampled
+            self.metrics.inter_token_latency.observe(gap, times=count)
+            completion.last_token_time = last + gap * count
+
+    def _record_finish(self, tracker: RequestTracker, seq: Sequence, now: float) -> None:
+        tracker.metrics.num_cached_tokens = max(seq.num_cached_tokens, 0)
+        tracker.metrics.num_preemptions += seq.num_preemptions
+        if tracker.finished:
+            tracker.metrics.finished_time = now
+            reason = next(iter(tracker.completions.values())).output.finish_reason or "abort"
+            self.metrics.on_finish(reason, now - tracker.metrics.arrival_time)
+
+    def _drop(self, request_id: str) -> None:
+        tracker = self.requests.pop(request_id)
+        for seq_id in tracker.completions:
+            self.seq_to_request.pop(seq_id, None)
+
+    def stats(self) -> EngineStats:
+        kv = self.scheduler.kv
+        return EngineStats(
+            prefix_cache_queries=kv.stats.queries, prefix_cache_hits=kv.stats.hits,
+            num_preemptions=self.scheduler.num_preemptions,
+            kv_blocks_used=kv.num_used_blocks, kv_blocks_total=kv.num_blocks,
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+        )
+
+    def metrics_snapshot(self) -> MetricsSnapshot:
+        m, stats = self.metrics, self.stats()
+        return MetricsSnapshot(
+            m.time_to_first_token.copy(), m.inter_token_latency.copy(), m.e2e_latency.copy(),
+            m.queue_time.copy(), m.prompt_tokens, m.generation_tokens,
+            dict(m.finished_requests), stats.num_preemptions, stats.prefix_cache_queries,
+            stats.prefix_cache_hits, stats.num_running, stats.num_waiting, m.batch_size,
+            stats.kv_blocks_used, stats.kv_blocks_total, m.spec_decode_drafts,
+            m.spec_decode_draft_tokens, m.spec_decode_accepted_tokens,
+        )
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()
+        unfreeze()  # what the engine leaves in reference cycles can be collected again

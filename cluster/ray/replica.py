@@ -1,0 +1,182 @@
+"""One replica of the model: an LLMEngine in a Ray actor, stepped by an asyncio loop.
+
+Outputs travel as deltas (a step sends each request's new tokens and text, never its whole
+token list again), and by consumer, not by request: each process that sends requests here
+(an HTTP ingress replica, an in-process caller) holds one ``subscribe`` stream, and every
+step's deltas for all of its requests cross Ray as one message. A message costs ~0.2 ms of
+this actor's CPU whatever it carries (tools/profile/ray_streams.py), in the process that also
+steps the engine: one per request per step added up to a good part of a core.
+
+Adds and aborts are applied between steps, by the loop, so the engine is only ever touched by
+one thread at a time while a step runs in a worker thread. If a shard dies, every in-flight
+request fails with a clear error and the replica rebuilds its engine (new shard actors, new
+process group).
+"""
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
+
+from cluster.engine.config import EngineConfig
+from cluster.engine.llm_engine import LLMEngine
+from cluster.engine.metrics import MetricsSnapshot
+from cluster.engine.outputs import EngineStats, RequestDelta
+from cluster.ray.ray_executor import ShardFailure
+from router.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+# Ray restarts a replica whose own process dies; it then builds a fresh engine in __init__.
+REPLICA_ACTOR_OPTIONS = {"max_restarts": 3, "max_task_retries": 0, "num_cpus": 0}
+
+
+class ReplicaFailure(RuntimeError):
+    """The replica lost its engine while the request was in flight."""
+
+
+class ReplicaActor:
+    def __init__(self, config: EngineConfig, replica_id: int = 0) -> None:
+        # shards always run as actors, so a dead shard is seen and the replica survives it
+        self.config = replace(config, distributed_executor_backend="ray")
+        self.replica_id = replica_id
+        self.engine: LLMEngine | None = LLMEngine(self.config)
+        self.dead_reason: str | None = None
+        self.ready = asyncio.Event()  # cleared while the engine is being rebuilt
+        self.ready.set()
+        self.consumers: dict[str, asyncio.Queue[tuple[str, RequestDelta | Exception]]] = {}
+        self.owners: dict[str, str] = {}  # request id -> the consumer its deltas go to
+        self.pending: list[tuple[str, Callable[[], object]]] = []
+        self.wakeup: asyncio.Event | None = None
+        self.loop_task: asyncio.Task[None] | None = None
+
+    def info(self) -> dict[str, object]:
+        engine = self._engine()
+        return {"model_path": str(engine.model_path), "max_model_len": engine.max_model_len}
+
+    async def subscribe(
+        self, consumer_id: str
+    ) -> AsyncIterator[list[tuple[str, RequestDelta | Exception]]]:
+        """Every delta of the requests ``consumer_id`` submits, and any error that ends one,
+        as (request id, delta or error): what queued up since the last message travels as one
+        list. Closing the stream aborts the consumer's unfinished requests."""
+        queue = self.consumers.setdefault(consumer_id, asyncio.Queue())
+        try:
+            while True:
+                batch = [await queue.get()]
+                while not queue.empty():
+                    batch.append(queue.get_nowait())
+                yield batch
+        finally:
+            self.consumers.pop(consumer_id, None)
+            for request_id in [r for r, owner in self.owners.items() if owner == consumer_id]:
+                await self.abort(request_id)
+
+    async def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                     consumer_id: str) -> None:
+        """Queues a request; its deltas go to ``consumer_id``'s stream. Bad input raises here,
+        before anything is queued."""
+        await self.ready.wait()  # a request that arrives during a rebuild waits for it
+        engine = self._engine()
+        engine.check_prompt(prompt_ids)
+        if request_id in self.owners:
+            raise ValueError(f"request id '{request_id}' is already in use")
+        self.consumers.setdefault(consumer_id, asyncio.Queue())  # subscribe may come second
+        self.owners[request_id] = consumer_id
+        self._submit(request_id, lambda: engine.add_request(prompt_ids, params, request_id))
+
+    async def abort(self, request_id: str) -> None:
+        self.owners.pop(request_id, None)
+        self._submit(request_id, lambda: self._abort_now(request_id))
+
+    def _abort_now(self, request_id: str) -> None:
+        if self.engine is not None:
+            self.engine.abort(request_id)
+
+    def _deliver(self, request_id: str, item: RequestDelta | Exception) -> None:
+        """To the request's consumer; its last delta or an error ends the request here."""
+        ends = isinstance(item, Exception) or item.finished
+        owner = self.owners.pop(request_id, None) if ends else self.owners.get(request_id)
+        queue = self.consumers.get(owner) if owner is not None else None
+        if queue is not None:
+            queue.put_nowait((request_id, item))
+
+    def _submit(self, request_id: str, operation: Callable[[], object]) -> None:
+        self.pending.append((request_id, operation))
+        if self.loop_task is None:
+            self.wakeup = asyncio.Event()
+            self.loop_task = asyncio.get_running_loop().create_task(self._step_loop())
+        assert self.wakeup is not None
+        self.wakeup.set()
+
+    async def _step_loop(self) -> None:
+        assert self.wakeup is not None
+        while True:
+            if not self.pending and not (self.engine and self.engine.has_unfinished()):
+                self.wakeup.clear()
+                await self.wakeup.wait()
+            self._apply_pending()
+            if self.engine is None or not self.engine.has_unfinished():
+                continue
+            try:
+                outputs = await asyncio.to_thread(self.engine.step_deltas)
+            except ShardFailure as error:
+                await self._recover(f"lost a shard and is rebuilding: {error}")
+                continue
+            except Exception as error:  # the engine's state can't be trusted after this
+                log.exception("engine step failed")
+                await self._recover(f"failed a step and is rebuilding: {error!r}")
+                continue
+            for output in outputs:
+                self._deliver(output.request_id, output)
+
+    def _apply_pending(self) -> None:
+        pending, self.pending = self.pending, []
+        for request_id, operation in pending:
+            try:
+                operation()
+            except Exception as error:  # the request's caller learns why
+                self._deliver(request_id, error)
+
+    async def _recover(self, what: str) -> None:
+        message = f"replica {self.replica_id} {what}"
+        log.error(message)
+        for request_id in list(self.owners):
+            self._deliver(request_id, ReplicaFailure(message))
+        old, self.engine = self.engine, None
+        self.dead_reason = message
+        self.ready.clear()
+        if old is not None:
+            await asyncio.to_thread(old.shutdown)
+        try:
+            self.engine = await asyncio.to_thread(LLMEngine, self.config)
+            self.dead_reason = None
+        except Exception as rebuild_error:
+            self.dead_reason = f"replica {self.replica_id} could not rebuild: {rebuild_error}"
+            log.error(self.dead_reason)
+        finally:
+            self.ready.set()
+
+    def _engine(self) -> LLMEngine:
+        if self.engine is None:
+            raise ReplicaFailure(self.dead_reason or f"replica {self.replica_id} has no engine")
+        return self.engine
+
+    async def check_health(self) -> None:
+        self._engine()
+
+    async def stats(self) -> EngineStats:
+        return self._engine().stats()
+
+    async def metrics(self) -> MetricsSnapshot:
+        return self._engine().metrics_snapshot()
+
+    async def shard_pids(self) -> list[int]:
+        executor = self._engine().executor
+        return await asyncio.to_thread(executor.shard_pids)  # type: ignore[attr-defined]
+
+    async def shutdown(self) -> None:
+        if self.engine is not None:
+            await asyncio.to_thread(self.engine.shutdown)
+            self.engine = None
+            self.dead_reason = f"replica {self.replica_id} was shut down"

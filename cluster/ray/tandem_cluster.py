@@ -1,0 +1,138 @@
+"""A model served by several replicas on a Ray cluster, behind one router.
+
+    cluster = TandemCluster(EngineConfig(model="smollm2-135m-instruct"), num_replicas=2)
+    async for output in cluster.generate(prompt_ids, SamplingParams(max_tokens=32), "req-1"):
+        print(output.text)
+
+Each replica is a ``ReplicaActor`` with its own tensor-parallel shard actors; the
+``RouterActor`` picks the replica for each request. Stopping the iteration early (a client
+that disconnected) aborts the request on its replica, which frees its KV blocks at once.
+"""
+
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import ray
+
+from cluster.engine.config import EngineConfig
+from cluster.engine.metrics import MetricsSnapshot
+from cluster.engine.outputs import EngineStats, OutputAccumulator, RequestOutput
+from cluster.ray.replica import REPLICA_ACTOR_OPTIONS, ReplicaActor
+from cluster.ray.replica_streams import ReplicaStream
+from cluster.ray.router_actor import ROUTER_ACTOR_OPTIONS, RouterActor
+from router.placement import PlacementPolicy
+from router.sampling_params import SamplingParams
+from workers.catalog import resolve_model
+
+
+@dataclass(frozen=True)
+class ClusterHandles:
+    """A running cluster's actors, as another process attaches to them (actor handles pickle):
+    several HTTP ingress replicas share one set of engine replicas this way."""
+
+    replicas: list
+    router: object
+    model_path: str
+    max_model_len: int
+
+
+class TandemCluster:
+    owns_actors = True  # False for a view attached to another process's cluster
+
+    def __init__(self, config: EngineConfig, num_replicas: int = 1,
+                 policy: PlacementPolicy | None = None) -> None:
+        if num_replicas < 1:
+            raise ValueError(f"num_replicas must be at least 1, got {num_replicas}")
+        if not ray.is_initialized():
+            ray.init()
+        resolve_model(config.model)  # pull once here, not in every replica at the same time
+        self.config = config
+        self._streams: dict[int, ReplicaStream] = {}  # by replica index
+        self.replicas = [
+            ray.remote(ReplicaActor).options(**REPLICA_ACTOR_OPTIONS).remote(config, index)
+            for index in range(num_replicas)
+        ]
+        infos = ray.get([replica.info.remote() for replica in self.replicas])
+        self.model_path = resolve_model(str(infos[0]["model_path"]))
+        self.max_model_len = min(int(info["max_model_len"]) for info in infos)  # type: ignore[call-overload]
+        self.router = ray.remote(RouterActor).options(**ROUTER_ACTOR_OPTIONS).remote(
+            num_replicas, policy
+        )
+
+    def handles(self) -> ClusterHandles:
+        return ClusterHandles(list(self.replicas), self.router, str(self.model_path),
+                              self.max_model_len)
+
+    @classmethod
+    def attach(cls, handles: ClusterHandles) -> "TandemCluster":
+        """A view of a cluster another process started and owns: it sends requests to the
+        same replicas through the same router; its ``shutdown`` leaves the actors alone."""
+        view = cls.__new__(cls)
+        view.replicas, view.router = list(handles.replicas), handles.router
+        view.model_path, view.max_model_len = Path(handles.model_path), handles.max_model_len
+        view.owns_actors = False
+        view._streams = {}
+        return view
+
+    async def generate(
+        self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str
+    ) -> AsyncIterator[RequestOutput]:
+        index = await self.router.assign.remote(request_id, list(prompt_ids))
+        replica, stream = self.replicas[index], self._stream(index)
+        queue = stream.open(request_id)
+        finished = False
+        accumulator = OutputAccumulator()
+        try:
+            await replica.submit.remote(request_id, list(prompt_ids), params, stream.consumer_id)
+            while not finished:
+                # what queued up while the caller was busy leaves as one output: a consumer
+                # that falls behind catches up instead of falling further behind
+                items = [await queue.get()]
+                while not queue.empty():
+                    items.append(queue.get_nowait())
+                for item in items:
+                    if isinstance(item, BaseException):
+                        raise item
+                    output = accumulator.add(item)
+                finished = output.finished
+                yield output
+        finally:
+            stream.close(request_id)
+            try:
+                if not finished:
+                    await replica.abort.remote(request_id)
+            except ray.exceptions.RayError:
+                pass  # the replica died or is restarting: the request went with its process
+            finally:
+                await self.router.release.remote(request_id)
+
+    def _stream(self, index: int) -> ReplicaStream:
+        """This process's stream from replica ``index``, opened on first use, and again after
+        it broke or when the caller runs on another event loop."""
+        stream = self._streams.get(index)
+        if stream is None or not stream.usable():
+            stream = self._streams[index] = ReplicaStream(self.replicas[index])
+        return stream
+
+    async def abort(self, request_id: str) -> None:
+        await self._on_all("abort", request_id)
+
+    async def check_health(self) -> None:
+        await self._on_all("check_health")
+
+    async def stats(self) -> list[EngineStats]:
+        return await self._on_all("stats")
+
+    async def metrics(self) -> list[MetricsSnapshot]:
+        return await self._on_all("metrics")
+
+    async def _on_all(self, method: str, *args: object) -> list:
+        return [await getattr(replica, method).remote(*args) for replica in self.replicas]
+
+    def shutdown(self) -> None:
+        if not self.owns_actors:
+            return
+        ray.get([replica.shutdown.remote() for replica in self.replicas])
+        for actor in [*self.replicas, self.router]:
+            ray.kill(actor)

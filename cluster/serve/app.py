@@ -1,0 +1,163 @@
+"""The HTTP ingress: FastAPI apps in a Ray Serve deployment, in front of one ``TandemCluster``.
+
+    serve run deploy/serve.yaml            # or: tandem serve --model smollm2-135m-instruct
+
+Two deployments make an application::
+
+    HTTP -> Serve proxy -> TandemServer (x ingress_replicas) -> router and engine replicas
+                           EngineHost (one replica): starts those actors, owns them
+
+``EngineHost`` (one replica) starts the cluster's actors and owns them for the app's life;
+every ``TandemServer`` replica attaches to the same actors, so the ingress (HTTP parsing, SSE
+encoding, one event loop per replica) scales without starting more engines.
+
+``build_app`` makes the FastAPI app for one service (no Ray needed, no module state); the
+``TandemServer`` deployment builds it when its replica starts (``serve.ingress()`` late-bound),
+and ``app_builder`` is what a Serve config file's ``import_path`` names.
+"""
+
+import asyncio
+from typing import TYPE_CHECKING, Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from ray import serve
+from ray.serve import Application
+from ray.serve.handle import DeploymentHandle
+from starlette.exceptions import HTTPException
+
+from cluster.engine.tokenizer import load_tokenizer
+from cluster.serve.config import ServeConfig, load_config
+from cluster.serve.http_guards import APIKeyGuard, BodyLimit
+from cluster.serve.openai_errors import (
+    APIError,
+    from_validation_errors,
+    internal_error,
+    unavailable,
+)
+from cluster.serve.openai_service import OpenAIService
+from cluster.serve.prometheus import make_registry, render
+from cluster.serve.protocol import ChatCompletionRequest, CompletionRequest
+from cluster.serve.request_streams import Cluster
+
+if TYPE_CHECKING:
+    from cluster.ray.tandem_cluster import ClusterHandles, TandemCluster
+
+
+def build_app(service: OpenAIService, config: ServeConfig) -> FastAPI:
+    app = FastAPI(title="tandem", description="OpenAI-compatible API of a tandem cluster")
+    cluster = service.cluster
+
+    @app.post("/v1/completions")
+    async def completions(request: CompletionRequest) -> Response:
+        return respond(await service.completions(request))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: ChatCompletionRequest) -> Response:
+        return respond(await service.chat(request))
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        return JSONResponse(service.models().model_dump())
+
+    @app.get("/health")
+    async def health() -> Response:
+        try:
+            await cluster.check_health()
+        except Exception as error:  # a dead engine, or a replica actor that is gone
+            return unavailable(error).response()
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        snapshots = await cluster.engine.metrics()
+        body = render(make_registry(service.model_name, lambda: snapshots))
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
+
+    add_error_handlers(app)
+    app.add_middleware(BodyLimit, limit=config.max_body_bytes)
+    if config.api_key:
+        app.add_middleware(APIKeyGuard, api_key=config.api_key)  # outermost: checked first
+    return app
+
+
+def respond(result: Any) -> Response:
+    if hasattr(result, "__aiter__"):
+        return StreamingResponse(result, media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+    return JSONResponse(result.model_dump())
+
+
+def add_error_handlers(app: FastAPI) -> None:
+    async def api_error(_: Request, error: Exception) -> Response:
+        assert isinstance(error, APIError)
+        return error.response()
+
+    async def invalid(_: Request, error: Exception) -> Response:
+        assert isinstance(error, RequestValidationError)
+        return from_validation_errors(error.errors()).response()
+
+    async def http_error(_: Request, error: Exception) -> Response:
+        assert isinstance(error, HTTPException)
+        kind = "not_found_error" if error.status_code == 404 else "invalid_request_error"
+        return APIError(error.status_code, str(error.detail), type=kind).response()
+
+    async def unexpected(_: Request, error: Exception) -> Response:
+        return internal_error(error).response()
+
+    app.add_exception_handler(APIError, api_error)
+    app.add_exception_handler(RequestValidationError, invalid)
+    app.add_exception_handler(HTTPException, http_error)
+    app.add_exception_handler(Exception, unexpected)
+
+
+def start_cluster(config: ServeConfig) -> "TandemCluster":
+    from cluster.ray.tandem_cluster import TandemCluster
+
+    return TandemCluster(config.engine_config(), num_replicas=config.num_replicas)
+
+
+@serve.deployment(name="tandem-engines", num_replicas=1, ray_actor_options={"num_cpus": 0})
+class EngineHost:
+    """Starts the cluster (router and engine replica actors) and owns it while the app lives."""
+
+    async def __init__(self, config: ServeConfig) -> None:
+        self.cluster = await asyncio.to_thread(start_cluster, config)
+
+    def handles(self) -> "ClusterHandles":
+        return self.cluster.handles()
+
+    def __del__(self) -> None:
+        self.cluster.shutdown()
+
+
+@serve.deployment(name="tandem", ray_actor_options={"num_cpus": 0})
+@serve.ingress()
+class TandemServer:
+    """One ingress replica: the HTTP API over the cluster that ``EngineHost`` owns."""
+
+    async def __init__(self, config: ServeConfig, engines: DeploymentHandle) -> None:
+        from cluster.ray.tandem_cluster import TandemCluster
+
+        self.config = config
+        self.cluster: Cluster = TandemCluster.attach(await engines.handles.remote())
+        tokenizer = load_tokenizer(self.cluster.model_path)
+        self.service = OpenAIService(self.cluster, tokenizer, config.model_name)
+
+    def __serve_build_asgi_app__(self) -> FastAPI:
+        return build_app(self.service, self.config)
+
+
+def server_app(config: ServeConfig) -> Application:
+    engines = EngineHost.bind(config)
+    return TandemServer.options(
+        num_replicas=config.num_ingress_replicas,
+        max_ongoing_requests=config.max_ongoing_requests,
+    ).bind(config, engines)
+
+
+def app_builder(args: dict[str, Any]) -> Application:
+    """The Serve config file's entry point: ``import_path: cluster.serve.app:app_builder``."""
+    return server_app(load_config(dict(args)))

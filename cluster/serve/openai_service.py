@@ -1,0 +1,147 @@
+"""The OpenAI API over a cluster: requests in, responses or event streams out. No HTTP here.
+
+Everything a request could get wrong is found before anything is queued, and raised as an
+``APIError`` (a 4xx); a request that reaches the cluster is aborted there when its stream
+is closed early.
+"""
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from transformers import PreTrainedTokenizerBase
+
+from cluster.engine.outputs import RequestOutput
+from cluster.engine.tokenizer import apply_chat_template
+from cluster.serve.openai_errors import bad_request, cause_message, model_not_found
+from cluster.serve.openai_format import chat_choices, completion_choices, usage
+from cluster.serve.openai_stream import StreamContext, chat_events, completion_events
+from cluster.serve.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    ModelCard,
+    ModelList,
+    Prompt,
+    SamplingFields,
+    new_id,
+)
+from cluster.serve.request_streams import Cluster, final_outputs, merge_streams, prefetch
+from router.sampling_params import SamplingParams
+
+Events = AsyncIterator[str]
+Stream = AsyncIterator[tuple[int, RequestOutput]]
+
+
+@dataclass
+class OpenAIService:
+    cluster: Cluster
+    tokenizer: PreTrainedTokenizerBase | None
+    model_name: str
+
+    def models(self) -> ModelList:
+        return ModelList(data=[ModelCard(id=self.model_name,
+                                         max_model_len=self.cluster.max_model_len)])
+
+    async def completions(self, request: CompletionRequest) -> CompletionResponse | Events:
+        self._check_model(request.model)
+        if request.echo:
+            raise bad_request("echo is not supported", "echo")
+        prompts = self._completion_prompts(request.prompt)
+        params = [self._params(request, request.max_tokens, request.logprobs, ids, "prompt")
+                  for ids in prompts]
+        request_id = new_id("cmpl")
+        stream = await self._start(request_id, prompts, params)
+        if request.stream:
+            return completion_events(stream, self._context(request_id, request, prompts))
+        outputs = await self._finish(stream, len(prompts))
+        return CompletionResponse(
+            id=request_id, model=self.model_name, usage=usage(prompts, outputs),
+            choices=completion_choices(self.tokenizer, outputs, request.n),
+        )
+
+    async def chat(self, request: ChatCompletionRequest) -> ChatCompletionResponse | Events:
+        self._check_model(request.model)
+        if not request.messages:
+            raise bad_request("messages must not be empty", "messages")
+        try:
+            ids = apply_chat_template(self.tokenizer,
+                                      [m.as_template_message() for m in request.messages])
+        except ValueError as error:
+            raise bad_request(str(error), "messages") from error
+        params = self._params(request, request.max_new_tokens, request.num_logprobs, ids,
+                              "messages")
+        request_id = new_id("chatcmpl")
+        stream = await self._start(request_id, [ids], [params])
+        if request.stream:
+            return chat_events(stream, self._context(request_id, request, [ids]))
+        outputs = await self._finish(stream, 1)
+        return ChatCompletionResponse(
+            id=request_id, model=self.model_name, usage=usage([ids], outputs),
+            choices=chat_choices(self.tokenizer, outputs[0]),
+        )
+
+    # -- checks -------------------------------------------------------------------------------
+
+    def _check_model(self, name: str | None) -> None:
+        if name is not None and name != self.model_name:
+            raise model_not_found(name)
+
+    def _completion_prompts(self, prompt: Prompt) -> list[list[int]]:
+        single = isinstance(prompt, str) or (prompt and isinstance(prompt[0], int))
+        items: list[str | list[int]] = [prompt] if single else list(prompt)  # type: ignore
+        if not items:
+            raise bad_request("prompt must not be empty", "prompt")
+        prompts = [self._tokenize(p) for p in items]
+        if not all(prompts):
+            raise bad_request("prompt is empty", "prompt")
+        return prompts
+
+    def _tokenize(self, prompt: str | list[int]) -> list[int]:
+        if not isinstance(prompt, str):
+            return list(prompt)
+        if self.tokenizer is None:
+            raise bad_request("this model has no tokenizer: send prompts as token ids", "prompt")
+        return list(self.tokenizer.encode(prompt))
+
+    def _params(self, request: SamplingFields, max_tokens: int | None, logprobs: int | None,
+                prompt_ids: list[int], param: str) -> SamplingParams:
+        context = self.cluster.max_model_len
+        room = context - len(prompt_ids)
+        if room <= 0:
+            raise bad_request(
+                f"This model's maximum context length is {context} tokens, and the prompt has "
+                f"{len(prompt_ids)}: no room is left to generate.", param,
+                code="context_length_exceeded")
+        try:
+            return request.sampling_params(room if max_tokens is None else max_tokens, logprobs)
+        except ValueError as error:
+            field = str(error).split(" ", 1)[0]
+            raise bad_request(str(error), field if field.isidentifier() else None) from error
+
+    # -- running ------------------------------------------------------------------------------
+
+    async def _start(self, request_id: str, prompts: list[list[int]],
+                     params: list[SamplingParams]) -> Stream:
+        """Starts one cluster request per prompt and waits for the first output, so an error
+        the engine finds in a prompt becomes a 400 before any response is sent."""
+        ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}"
+                                                      for i in range(len(prompts))]
+        streams = [self.cluster.generate(p, sp, rid)
+                   for p, sp, rid in zip(prompts, params, ids, strict=True)]
+        try:
+            return await prefetch(merge_streams(streams))
+        except ValueError as error:
+            raise bad_request(cause_message(error), "prompt") from error
+
+    async def _finish(self, stream: Stream, count: int) -> list[RequestOutput]:
+        try:
+            return await final_outputs(stream, count)
+        except ValueError as error:
+            raise bad_request(cause_message(error), "prompt") from error
+
+    def _context(self, request_id: str, request: SamplingFields,
+                 prompts: list[list[int]]) -> StreamContext:
+        return StreamContext(request_id, self.model_name, self.tokenizer, prompts, request.n,
+                             request.include_usage)
+

@@ -1,0 +1,200 @@
+"""The distributed pieces on the CPU: TP shards over gloo, replicas, the router, faults."""
+
+import asyncio
+import os
+import signal
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from cluster import LLM, EngineConfig, SamplingParams
+from cluster.ray.tandem_cluster import TandemCluster
+
+pytestmark = pytest.mark.ray
+
+PROMPTS = [list(range(30, 52)), [9, 8, 7], [400, 401, 402, 403, 404, 405]]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
+
+
+def hf_greedy(folder, prompts, max_tokens=12):
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    return [hf.generate(torch.tensor([p]), max_new_tokens=max_tokens, do_sample=False,
+                        attention_mask=torch.ones(1, len(p), dtype=torch.long))[0, len(p):].tolist()
+            for p in prompts]
+
+
+# vocabularies 1001 and 1003: odd; decode_steps 3 hands sampled tokens to rank 1 by broadcast,
+# and with the lookahead step every rank keeps its tokens for the next call
+@pytest.mark.parametrize(("name", "decode_steps"), [("llama", 1), ("qwen3", 3)])
+def test_tensor_parallel_2_over_ray_matches_transformers(ray_session, tiny_models, name,
+                                                         decode_steps):
+    llm = LLM(str(tiny_models[name]), device="cpu", block_size=4, num_kv_blocks=64,
+              tensor_parallel_size=2, distributed_executor_backend="ray",
+              decode_steps=decode_steps, decode_lookahead=decode_steps > 1)
+    try:
+        outputs = llm.generate(PROMPTS, GREEDY)
+        assert [out.token_ids for out in outputs] == hf_greedy(tiny_models[name], PROMPTS)
+        assert len(set(llm.engine.executor.shard_pids())) == 2
+        # every rank's profile of a request: its steps' all-reduces and matmuls are in it
+        tables = llm.engine.executor.profile(lambda: llm.generate(PROMPTS[:1], GREEDY))
+        assert len(tables) == 2
+        assert all("gloo:all_reduce" in table and "aten::mm" in table for table in tables)
+    finally:
+        llm.engine.shutdown()
+
+
+async def stream(cluster, prompt, request_id, params=GREEDY):
+    """Collects a streamed request: the final output and how many snapshots came."""
+    count, last = 0, None
+    async for output in cluster.generate(prompt, params, request_id):
+        count, last = count + 1, output
+    return last, count
+
+
+def test_two_replicas_serve_concurrent_streams(ray_session, tiny_models):
+    folder = tiny_models["llama"]
+    cluster = TandemCluster(EngineConfig(model=str(folder), device="cpu", block_size=4,
+                                         num_kv_blocks=64), num_replicas=2)
+    try:
+        prompts = PROMPTS * 4
+
+        async def run_all():
+            return await asyncio.gather(*[stream(cluster, p, f"r{i}")
+                                          for i, p in enumerate(prompts)])
+
+        results = asyncio.run(run_all())
+        expected = hf_greedy(folder, PROMPTS)
+        assert [out.token_ids for out, _ in results] == expected * 4
+        # at most one output per token: steps that queued up while the caller was busy merge
+        assert all(out.finished and 1 <= count <= 12 for out, count in results)
+        stats = asyncio.run(cluster.stats())
+        # least-loaded placement spread the 12 requests over both replicas
+        assert [s.prefix_cache_queries > 0 for s in stats] == [True, True]
+        assert [s.kv_blocks_used for s in stats] == [0, 0]
+    finally:
+        cluster.shutdown()
+
+
+def test_a_dead_shard_fails_its_requests_clearly_and_the_replica_recovers(ray_session,
+                                                                         tiny_models):
+    folder = tiny_models["qwen3"]
+    cluster = TandemCluster(EngineConfig(model=str(folder), device="cpu", block_size=4,
+                                         num_kv_blocks=128, tensor_parallel_size=2),
+                            num_replicas=1)
+    try:
+        pids = ray_session.get(cluster.replicas[0].shard_pids.remote())
+        long = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+
+        async def killed_mid_stream():
+            async for output in cluster.generate([1, 2, 3], long, "victim"):
+                if len(output.token_ids) == 3:
+                    os.kill(pids[1], signal.SIGKILL)
+
+        with pytest.raises(RuntimeError, match="replica 0 lost a shard and is rebuilding: "
+                                               "a shard actor failed"):
+            asyncio.run(asyncio.wait_for(killed_mid_stream(), timeout=120))
+        # the replica rebuilt itself: new shards, and requests succeed again
+        out, _ = asyncio.run(stream(cluster, PROMPTS[0], "after"))
+        assert out.token_ids == hf_greedy(folder, PROMPTS[:1])[0]
+        new_pids = ray_session.get(cluster.replicas[0].shard_pids.remote())
+        assert not set(new_pids) & set(pids)
+        asyncio.run(cluster.check_health())
+    finally:
+        cluster.shutdown()
+
+
+def test_a_dead_replica_process_fails_its_streams_and_its_restart_serves(ray_session,
+                                                                       tiny_models):
+    """The replica actor's process dies mid-stream: the request fails with Ray's error (no
+    hang, and the router forgets it), and once Ray has restarted the replica the next request,
+    on the same event loop, reaches it through a new stream."""
+    folder = tiny_models["llama"]
+    cluster = TandemCluster(EngineConfig(model=str(folder), device="cpu", block_size=4,
+                                         num_kv_blocks=64), num_replicas=1)
+    try:
+        replica = cluster.replicas[0]
+        pid = ray_session.get(replica.__ray_call__.remote(lambda self: os.getpid()))
+        long = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+
+        async def kill_then_retry():
+            with pytest.raises(ray_session.exceptions.RayError):
+                async for output in cluster.generate([1, 2, 3], long, "victim"):
+                    if len(output.token_ids) >= 2:
+                        os.kill(pid, signal.SIGKILL)
+            while True:  # what /health shows: 503 while the replica restarts
+                try:
+                    await cluster.check_health()
+                    break
+                except ray_session.exceptions.RayError:
+                    await asyncio.sleep(0.5)
+            return await stream(cluster, PROMPTS[0], "after")
+
+        out, _ = asyncio.run(asyncio.wait_for(kill_then_retry(), timeout=180))
+        assert out.token_ids == hf_greedy(folder, PROMPTS[:1])[0]
+        assert ray_session.get(cluster.router.get_loads.remote()) == [0]
+    finally:
+        cluster.shutdown()
+
+
+def delta(request_id: str, token: int, last: int):
+    from cluster.engine.outputs import CompletionDelta, RequestDelta, RequestMetrics
+
+    return RequestDelta(request_id, [CompletionDelta(0, [token], "", None,
+                                                     "length" if token == last else None, None)],
+                        RequestMetrics(arrival_time=0.0), finished=token == last,
+                        prompt_token_ids=[1, 2] if token == 1 else None)
+
+
+class BurstReplica:
+    """A replica that streams a request's tokens 1..5, one message each: the first alone, then
+    the other four at once."""
+
+    def __init__(self):
+        self.queues, self.tasks = {}, []
+
+    async def subscribe(self, consumer_id):
+        queue = self.queues.setdefault(consumer_id, asyncio.Queue())
+        while True:
+            yield await queue.get()
+
+    async def submit(self, request_id, prompt_ids, params, consumer_id):
+        queue = self.queues.setdefault(consumer_id, asyncio.Queue())
+
+        async def produce():
+            queue.put_nowait([(request_id, delta(request_id, 1, 5))])
+            await asyncio.sleep(0.3)
+            for token in range(2, 6):
+                queue.put_nowait([(request_id, delta(request_id, token, 5))])
+
+        self.tasks.append(asyncio.get_running_loop().create_task(produce()))
+
+    async def abort(self, request_id):
+        return None
+
+
+class OneReplicaRouter:
+    async def assign(self, request_id, prompt_ids):
+        return 0
+
+    async def release(self, request_id):
+        return None
+
+
+def test_a_consumer_that_falls_behind_gets_the_backlog_as_one_output(ray_session):
+    import ray
+
+    from cluster.ray.tandem_cluster import ClusterHandles
+
+    handles = ClusterHandles([ray.remote(BurstReplica).remote()],
+                             ray.remote(OneReplicaRouter).remote(), "unused", 64)
+    cluster = TandemCluster.attach(handles)
+
+    async def consume_slowly():
+        outputs = []
+        async for output in cluster.generate([1, 2], GREEDY, "slow"):
+            outputs.append(output.outputs[0].token_ids)
+            await asyncio.sleep(1.0)  # the other four deltas arrive meanwhile
+        return outputs
+
+    assert asyncio.run(consume_slowly()) == [[1], [1, 2, 3, 4, 5]]

@@ -1,0 +1,243 @@
+"""The HTTP API end to end: the official `openai` client against the default model on Ray Serve.
+
+One Ray instance and one Serve instance for the module, on a port found at run time; two
+applications: the open one at `/` and one that needs an API key at `/keyed`.
+"""
+
+import json
+import socket
+import time
+
+import httpx2 as httpx
+import openai
+import pytest
+import ray
+from prometheus_client.parser import text_string_to_metric_families
+from ray import serve
+
+from cluster.serve.app import server_app
+from cluster.serve.config import ServeConfig
+from cluster.serve.prometheus import METRIC_NAMES
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+MODEL = "smollm2-135m-instruct"
+API_KEY = "sk-test-key"
+PROMPT = "Once upon a time"
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def base_url():
+    started_ray = not ray.is_initialized()
+    if started_ray:
+        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    common = dict(model=MODEL, device="cpu", dtype="float32", num_kv_blocks=96,
+                  max_model_len=256, max_body_bytes=64 << 10)
+    serve.run(server_app(ServeConfig(**common, api_key=None)), name="open", route_prefix="/")
+    # two HTTP replicas in front of one engine replica
+    serve.run(server_app(ServeConfig(**common, api_key=API_KEY, ingress_replicas=2)),
+              name="keyed", route_prefix="/keyed")
+    yield f"http://127.0.0.1:{port}"
+    serve.shutdown()
+    if started_ray:
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(base_url):
+    return openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
+
+
+def greedy(**extra):
+    return dict(model=MODEL, temperature=0.0, **extra)
+
+
+def scrape(base_url) -> dict[str, float]:
+    """Sample name and labels -> value, over all replicas."""
+    text = httpx.get(f"{base_url}/metrics").text
+    values = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items())
+                              if k not in ("model_name", "replica"))
+            key = f"{sample.name}{{{labels}}}"
+            values[key] = values.get(key, 0.0) + sample.value
+    return values
+
+
+def test_completion_and_usage(client):
+    out = client.completions.create(prompt=PROMPT, max_tokens=12, **greedy())
+    assert out.model == MODEL and len(out.choices) == 1
+    assert out.choices[0].text and out.choices[0].finish_reason == "length"
+    assert out.usage.completion_tokens == 12 and out.usage.prompt_tokens > 0
+
+
+def test_chat_uses_the_template(client):
+    out = client.chat.completions.create(messages=QUESTION, max_tokens=16, **greedy())
+    assert "Paris" in out.choices[0].message.content
+    assert out.choices[0].finish_reason == "stop"
+    assert out.usage.total_tokens == out.usage.prompt_tokens + out.usage.completion_tokens
+
+
+def test_streamed_text_equals_greedy_text(client):
+    full = client.chat.completions.create(messages=QUESTION, max_tokens=24, **greedy())
+    chunks = list(client.chat.completions.create(
+        messages=QUESTION, max_tokens=24, stream=True,
+        stream_options={"include_usage": True}, **greedy()))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+    plain = client.completions.create(prompt=PROMPT, max_tokens=16, **greedy())
+    streamed = client.completions.create(prompt=PROMPT, max_tokens=16, stream=True, **greedy())
+    assert "".join(c.choices[0].text for c in streamed) == plain.choices[0].text
+
+
+def test_n_choices_and_several_prompts(client):
+    out = client.completions.create(prompt=PROMPT, n=3, max_tokens=8, temperature=1.0, seed=5,
+                                    model=MODEL)
+    assert sorted(c.index for c in out.choices) == [0, 1, 2]
+    assert len({c.text for c in out.choices}) > 1
+    assert out.usage.completion_tokens == 24
+    two = client.completions.create(prompt=[PROMPT, "The sky is"], n=2, max_tokens=4,
+                                    **greedy())
+    assert sorted(c.index for c in two.choices) == [0, 1, 2, 3]
+    chat = client.chat.completions.create(messages=QUESTION, n=2, max_tokens=6, **greedy())
+    assert [c.index for c in chat.choices] == [0, 1]
+
+
+def test_stop_string_never_leaks(client):
+    text = client.completions.create(prompt=PROMPT, max_tokens=24, **greedy()).choices[0].text
+    stop = text[len(text) // 2: len(text) // 2 + 5]  # likely spans two tokens
+    out = client.completions.create(prompt=PROMPT, max_tokens=24, stop=[stop], **greedy())
+    assert out.choices[0].text == text[: text.index(stop)]
+    assert out.choices[0].finish_reason == "stop"
+    chunks = client.completions.create(prompt=PROMPT, max_tokens=24, stop=stop, stream=True,
+                                       **greedy())
+    assert "".join(c.choices[0].text for c in chunks) == text[: text.index(stop)]
+
+
+def test_logprobs(client):
+    out = client.completions.create(prompt=PROMPT, max_tokens=5, logprobs=3, **greedy())
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
+    for chosen, top in zip(lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert len(top) == 3 and chosen == pytest.approx(max(top.values()))
+    assert "".join(lp.tokens) == out.choices[0].text
+    chat = client.chat.completions.create(messages=QUESTION, max_tokens=4, logprobs=True,
+                                          top_logprobs=2, **greedy())
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 4 and all(len(t.top_logprobs) == 2 for t in content)
+    assert all(t.logprob <= 0 for t in content)
+
+
+def test_models_and_health(client, base_url):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert httpx.get(f"{base_url}/health").status_code == 200
+
+
+@pytest.mark.parametrize("route, body, status, param", [
+    ("completions", "{not json", 400, None),
+    ("completions", {"prompt": PROMPT, "temperature": "hot"}, 400, "temperature"),
+    ("completions", {"prompt": {"a": 1}}, 400, "prompt"),
+    ("completions", {"prompt": PROMPT, "model": "gpt-4"}, 404, "model"),
+    ("completions", {"prompt": PROMPT, "top_p": 1.5}, 400, "top_p"),
+    ("completions", {"prompt": PROMPT, "max_tokens": 0}, 400, "max_tokens"),
+    ("completions", {"prompt": PROMPT, "n": 0}, 400, "n"),
+    ("completions", {"prompt": PROMPT, "logprobs": 50}, 400, "logprobs"),
+    ("completions", {"prompt": ""}, 400, "prompt"),
+    ("completions", {"prompt": [[1, 2], []]}, 400, "prompt"),
+    ("completions", {"prompt": [10**9]}, 400, "prompt"),
+    ("completions", {"prompt": "word " * 300}, 400, "prompt"),
+    ("chat/completions", {"messages": []}, 400, "messages"),
+    ("chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, 400, None),
+    ("chat/completions", {"messages": QUESTION, "temperature": -1}, 400, "temperature"),
+    ("completions", {"prompt": "x" * (70 << 10)}, 413, None),
+])
+def test_bad_requests_get_openai_errors(base_url, route, body, status, param):
+    content = body if isinstance(body, str) else json.dumps(body)
+    response = httpx.post(f"{base_url}/v1/{route}", content=content,
+                          headers={"Content-Type": "application/json"})
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["message"] and error["type"]
+    if param is not None:
+        assert error["param"] == param, error
+
+
+def test_disconnect_mid_stream_aborts_and_frees_blocks(client, base_url):
+    before = scrape(base_url)
+    stream = client.completions.create(prompt=PROMPT, max_tokens=200,
+                                       stream=True, extra_body={"ignore_eos": True}, **greedy())
+    for _, _chunk in zip(range(3), stream, strict=False):
+        pass
+    stream.close()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        after = scrape(base_url)
+        if (after["tandem:kv_cache_blocks_used{}"] == 0
+                and after["tandem:num_requests_running{}"] == 0):
+            break
+        time.sleep(0.2)
+    assert after["tandem:kv_cache_blocks_used{}"] == 0
+    aborted = "tandem:request_success_total{finished_reason=abort}"
+    assert after[aborted] == before[aborted] + 1
+    generated = "tandem:generation_tokens_total{}"
+    assert after[generated] < before[generated] + 200
+
+
+def test_api_key_is_enforced(base_url):
+    url = f"{base_url}/keyed/v1"
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=url, api_key="wrong", max_retries=0).models.list()
+    assert httpx.post(f"{url}/completions", json={"prompt": PROMPT}).status_code == 401
+    keyed = openai.OpenAI(base_url=url, api_key=API_KEY, max_retries=0)
+    assert keyed.completions.create(prompt=PROMPT, max_tokens=2, **greedy()).choices
+    assert httpx.get(f"{base_url}/keyed/health").status_code == 200
+
+
+def test_metrics_are_all_exposed(client, base_url):
+    client.completions.create(prompt=PROMPT, max_tokens=4, **greedy())
+    text = httpx.get(f"{base_url}/metrics").text
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    samples = {s.name for f in families.values() for s in f.samples}
+    for name in METRIC_NAMES:
+        assert name in families or name in samples, name
+    values = scrape(base_url)
+    assert values["tandem:time_to_first_token_seconds_count{}"] >= 1
+    assert values["tandem:generation_tokens_total{}"] >= 4
+    assert values["tandem:kv_cache_blocks_total{}"] == 96
+    assert {s.labels["model_name"] for s in families["tandem:batch_size"].samples} == {MODEL}
+
+
+def test_ingress_replicas_share_one_set_of_engines(base_url):
+    from concurrent.futures import ThreadPoolExecutor
+
+    status = serve.status().applications["keyed"].deployments
+    assert status["tandem"].replica_states.get("RUNNING") == 2
+    assert status["tandem-engines"].replica_states.get("RUNNING") == 1
+    def generated_by_replica() -> list[tuple[str, float]]:
+        text = httpx.get(f"{base_url}/keyed/metrics").text
+        return [(s.labels["replica"], s.value) for f in text_string_to_metric_families(text)
+                for s in f.samples if s.name == "tandem:generation_tokens_total"]
+
+    [(_, before)] = generated_by_replica()
+    keyed = openai.OpenAI(base_url=f"{base_url}/keyed/v1", api_key=API_KEY, max_retries=0)
+    with ThreadPoolExecutor(8) as pool:
+        outs = list(pool.map(lambda _: keyed.completions.create(
+            prompt=PROMPT, max_tokens=6, **greedy()).choices[0].text, range(8)))
+    expected = keyed.completions.create(prompt=PROMPT, max_tokens=6, **greedy()).choices[0].text
+    assert outs == [expected] * 8
+    # whichever HTTP replica answers, /metrics reports the one engine, which ran all 9 (were
+    # there an engine per HTTP replica, the requests would split between them)
+    for _ in range(4):
+        assert generated_by_replica() == [("0", before + 9 * 6)]
