@@ -24,7 +24,7 @@ test: install
 	$(PY) -m pytest -m "not gpu" -q
 
 lint: install
-	$(VENV)/bin/ruff check cluster workers router kvstore tests
+	$(VENV)/bin/ruff check cluster workers router kvstore tests tools
 	$(VENV)/bin/mypy
 
 run: install

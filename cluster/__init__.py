@@ -1,4 +1,5 @@
-"""Processes: the engine, its executors, the offline API, the server and the CLI."""
+"""Processes: the engine (engine/), on Ray (ray/), over HTTP (serve/), the CLI (cli/) and
+`tandem bench` (bench/). The offline API is importable from here."""
 
 from cluster.engine.config import EngineConfig
 from cluster.engine.llm import LLM

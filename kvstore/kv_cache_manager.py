@@ -27,10 +27,6 @@ class PrefixCacheStats:
         self.queries += num_queried
         self.hits += num_hit
 
-    @property
-    def hit_rate(self) -> float:
-        return self.hits / self.queries if self.queries else 0.0
-
 
 class KVCacheManager:
     def __init__(

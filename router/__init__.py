@@ -1,0 +1,3 @@
+"""Decisions: the continuous-batching scheduler, sequences, sampling parameters, placement.
+
+Imports kvstore only."""

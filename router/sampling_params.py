@@ -2,8 +2,6 @@
 
 from dataclasses import dataclass
 
-GREEDY_EPSILON = 1e-5  # temperatures below this sample greedily
-
 
 @dataclass
 class SamplingParams:
@@ -58,10 +56,6 @@ class SamplingParams:
             (all(t >= 0 for t in self.stop_token_ids), "stop_token_ids must be >= 0"),
         ]
         return [message for ok, message in checks if not ok]
-
-    @property
-    def is_greedy(self) -> bool:
-        return self.temperature < GREEDY_EPSILON
 
     @property
     def uses_history(self) -> bool:

@@ -69,10 +69,6 @@ class SchedulerOutput:
     lookahead: bool = False  # and one step more, the next call's first (a slot is allocated)
 
     @property
-    def num_batched_tokens(self) -> int:
-        return sum(item.num_new_tokens for item in self.scheduled)
-
-    @property
     def is_empty(self) -> bool:
         return not self.scheduled
 

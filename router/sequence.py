@@ -67,9 +67,6 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
-    def append_token(self, token_id: int) -> None:
-        self.token_ids.append(token_id)
-
     def finish(self, reason: FinishReason, stop_reason: int | str | None = None) -> None:
         self.status = SequenceStatus.FINISHED
         self.finish_reason = reason

@@ -3,15 +3,14 @@
 # Here, at the root, so that no test module of any folder imports Triton before it is set.
 import tests.workers.triton_interpreter  # noqa: F401, I001
 
-import os
-
 import pytest
 
+from cluster import environment
 from tests.tiny_models import SPECS, build_tiny_model
 
 # Serve as `tandem serve` runs it (cluster/cli/serve.py): set before any module imports Ray
 # Serve, which reads it once, and before the session's Ray starts, whose processes inherit it
-os.environ.setdefault("RAY_SERVE_THROUGHPUT_OPTIMIZED", "1")
+environment.set_serve_throughput_optimized(None)
 
 
 @pytest.fixture(scope="session")

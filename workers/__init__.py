@@ -1,0 +1,3 @@
+"""Math on a device: models, layers, attention kernels, the worker, sampler and catalog.
+
+Imports kvstore only."""

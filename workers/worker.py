@@ -41,6 +41,8 @@ class WorkerConfig:
     max_num_seqs: int = 256  # the largest decode batch a CUDA graph is captured for
     enforce_eager: bool = False  # no CUDA graphs: every step runs eagerly
     symmetric_all_reduce: bool = True  # TP on GPUs: small sums through peer memory, not NCCL
+    peer_sum_kernel: str = "push"  # the kernel of those sums: push | one_shot
+    cpu_threads: int = 1  # torch threads of a CPU shard in its own actor
     seed: int = 0
     max_model_len: int | None = None  # the longest sequence; None: the model's own length
 

@@ -1,4 +1,5 @@
-"""`tandem bench {latency,throughput,prefix}`: the arguments; the work is in commands.py."""
+"""`tandem bench {latency,throughput,prefix,serve,tp-scaling}`: the arguments; the work of the
+first three is in commands.py, serve's in serve_bench.py, tp-scaling's in tp_scaling.py."""
 
 import argparse
 
@@ -54,6 +55,34 @@ def run_prefix(args: argparse.Namespace) -> int:
     return prefix(args)
 
 
+def run_tp_scaling(args: argparse.Namespace) -> int:
+    from cluster.bench.tp_scaling import tp_scaling
+
+    return tp_scaling(args)
+
+
+def add_tp_scaling_parser(workloads: argparse._SubParsersAction) -> None:
+    parser = workloads.add_parser("tp-scaling", help="W7: TPOT and tokens/s at TP 1 vs N")
+    parser.add_argument("--shape", default="llama-3.1-8b")
+    parser.add_argument("--model", help="a model folder instead of a random --shape")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--tp", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 64])
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=256)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.8)
+    parser.add_argument("--model-root", default="/tmp/tandem-shapes")
+    parser.add_argument("--with-uni", action="store_true", help="also TP=1 in-process")
+    parser.add_argument("--profile", action="store_true",
+                        help="print every rank's torch.profiler table of a batch-1 request")
+    parser.add_argument("--all-reduce", choices=["symmetric", "nccl", "both"], default="both",
+                        help="TP > 1: small sums through peer memory, NCCL only, or both runs")
+    parser.add_argument("--decode-lookahead", action=argparse.BooleanOptionalAction, default=True,
+                        help="multi-step calls also run the next call's first step")
+    parser.add_argument("--output", default="bench-results/w7.json")
+    parser.set_defaults(handler=run_tp_scaling)
+
+
 def add_bench_parsers(subparsers: argparse._SubParsersAction) -> None:
     bench = subparsers.add_parser("bench", help="benchmarks against HF and the roofline")
     workloads = bench.add_subparsers(dest="workload", required=True)
@@ -95,3 +124,4 @@ def add_bench_parsers(subparsers: argparse._SubParsersAction) -> None:
     prefix.set_defaults(handler=run_prefix)
 
     add_serve_bench_parser(workloads)  # W3: cluster/bench/serve_bench.py (serving owns it)
+    add_tp_scaling_parser(workloads)  # W7: cluster/bench/tp_scaling.py

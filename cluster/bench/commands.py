@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from cluster import environment
 from cluster.bench import hf_baseline as hf
 from cluster.bench import roofline
 from cluster.bench.engine_runs import (
@@ -17,7 +18,7 @@ from cluster.bench.engine_runs import (
     release,
     run_requests,
 )
-from cluster.bench.report import environment, markdown_table, publish, write_json
+from cluster.bench.report import machine_facts, markdown_table, publish, write_json
 from cluster.bench.shapes import build_random_model
 from cluster.bench.triton_compiles import CompileLog
 from cluster.bench.workloads import (
@@ -27,7 +28,7 @@ from cluster.bench.workloads import (
     prefix_requests,
     throughput_requests,
 )
-from workers.catalog import cache_root, resolve_model
+from workers.catalog import resolve_model
 from workers.loader import load_config, weight_files
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -54,17 +55,17 @@ class Setup:
             "bfloat16" if self.device.type == "cuda" else "float32")
         self.dtype = DTYPES[name]
         if args.shape:
-            root = Path(args.model_cache) if args.model_cache else cache_root() / "bench-models"
+            root = Path(args.model_cache or environment.cache_dir() / "bench-models")
             self.folder = build_random_model(args.shape, root)
         else:
-            self.folder = resolve_model(args.model)
+            self.folder = resolve_model(args.model, environment.cache_dir())
         self.hf_config = load_config(self.folder)
         self.cost = roofline.model_cost(self.hf_config, self.dtype, count_parameters(self.folder))
         print(f"measuring ceilings on {self.device} ...")
         self.ceilings = roofline.measure_ceilings(self.device, self.dtype)
         self.record = {
             "config": vars(args) | {"model_folder": str(self.folder), "dtype": name},
-            "environment": environment(self.device),
+            "environment": machine_facts(self.device),
             "ceilings": roofline.as_dict(self.ceilings),
             "model_cost": vars(self.cost),
         }

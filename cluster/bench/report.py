@@ -12,7 +12,7 @@ import torch
 RESULTS_DIR = Path("bench-results")
 
 
-def environment(device: torch.device) -> dict:
+def machine_facts(device: torch.device) -> dict:
     env = {"python": sys.version.split()[0], "platform": platform.platform(),
            "cpu_count": os.cpu_count(), "torch": torch.__version__, "device": str(device)}
     for package in ("triton", "transformers"):

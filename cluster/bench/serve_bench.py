@@ -11,11 +11,12 @@ serving.
 import argparse
 import asyncio
 import json
-import os
 import random
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+
+from cluster import environment
 
 SLO_TTFT_S, SLO_TPOT_S = 0.200, 0.020
 
@@ -213,11 +214,9 @@ def parse_loads(args: argparse.Namespace) -> list[Load]:
 
 
 def serve_bench(args: argparse.Namespace) -> int:
-    from cluster.cli.serve import THROUGHPUT_OPTIMIZED_ENV, throughput_optimized_env
-
     loads = parse_loads(args)
     # as `tandem serve` runs it (the Ray instance below starts with this environment)
-    os.environ[THROUGHPUT_OPTIMIZED_ENV] = throughput_optimized_env(None)
+    environment.set_serve_throughput_optimized(None)
     return asyncio.run(_serve_bench(args, loads))
 
 
@@ -231,7 +230,7 @@ async def _serve_bench(args: argparse.Namespace, loads: list[Load]) -> int:
     import ray
     from ray import serve
 
-    from cluster.bench.report import environment, publish
+    from cluster.bench.report import machine_facts, publish
     from cluster.ray.tandem_cluster import TandemCluster
     from cluster.serve.app import server_app
     from cluster.serve.config import load_config
@@ -239,9 +238,7 @@ async def _serve_bench(args: argparse.Namespace, loads: list[Load]) -> int:
 
     if args.shape:
         from cluster.bench.shapes import build_random_model
-        from workers.catalog import cache_root
-
-        args.model = str(build_random_model(args.shape, cache_root() / "bench-models"))
+        args.model = str(build_random_model(args.shape, environment.cache_dir() / "bench-models"))
     config = load_config({
         "model": args.model, "dtype": args.dtype, "device": args.device,
         "tensor_parallel_size": args.tp, "num_replicas": args.replicas,
@@ -268,7 +265,7 @@ async def _serve_bench(args: argparse.Namespace, loads: list[Load]) -> int:
                                  limits=limits) as client:
         http = await run_loads(http_sender(client, config.model_name), args, loads, vocab)
     record = {"workload": "serve", "config": vars(args) | {"handler": None},
-              "environment": environment(_device(config.engine_config().resolved_device)),
+              "environment": machine_facts(_device(config.engine_config().resolved_device)),
               "in_process": in_process, "http": http}
     published = publish(record, table(loads, in_process, http), args.output)
     serve.shutdown()  # after the figures are out: it can take Serve tens of seconds

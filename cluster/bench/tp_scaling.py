@@ -5,7 +5,7 @@ the same GPUs; TP=1 in the engine's own process ("uni") is measured too, as a us
 default. The bound is the weight bytes each GPU reads per step over the copy bandwidth
 measured in the run. Greedy agreement between TP=1 and TP=N is reported for bf16.
 
-    python -m cluster.bench.tp_scaling --shape llama-3.1-8b --tp 1 2 --batch 1 64
+    tandem bench tp-scaling --shape llama-3.1-8b --tp 1 2 --batch 1 64
 """
 
 import argparse
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from cluster.bench.report import environment, markdown_table
+from cluster.bench.report import machine_facts, markdown_table
 from cluster.bench.roofline import measure_bandwidth
 from cluster.bench.shapes import build_random_model
 from cluster.engine.llm import LLM
@@ -86,26 +86,7 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> float:
     return sum(prefix) / len(prefix)
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--shape", default="llama-3.1-8b")
-    parser.add_argument("--model", help="a model folder instead of a random --shape")
-    parser.add_argument("--device", default="cuda")
-    parser.add_argument("--tp", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--batch", type=int, nargs="+", default=[1, 64])
-    parser.add_argument("--prompt-len", type=int, default=128)
-    parser.add_argument("--output-len", type=int, default=256)
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.8)
-    parser.add_argument("--model-root", default="/tmp/tandem-shapes")
-    parser.add_argument("--with-uni", action="store_true", help="also TP=1 in-process")
-    parser.add_argument("--profile", action="store_true",
-                        help="print every rank's torch.profiler table of a batch-1 request")
-    parser.add_argument("--all-reduce", choices=["symmetric", "nccl", "both"], default="both",
-                        help="TP > 1: small sums through peer memory, NCCL only, or both runs")
-    parser.add_argument("--decode-lookahead", action=argparse.BooleanOptionalAction, default=True,
-                        help="multi-step calls also run the next call's first step")
-    parser.add_argument("--output", default="bench-results/w7.json")
-    args = parser.parse_args(argv)
+def tp_scaling(args: argparse.Namespace) -> int:
     folder = Path(args.model) if args.model else build_random_model(args.shape,
                                                                      Path(args.model_root))
     weight_bytes = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
@@ -132,12 +113,9 @@ def main(argv: list[str] | None = None) -> None:
         print(f"greedy agreement TP={result['tp']} ({result['executor']}) vs first: "
               f"{result['greedy_agreement_with_first']:.3f}")
     record = {"workload": "W7", "shape": args.shape, "args": vars(args),
-              "environment": environment(torch.device(args.device)),
+              "environment": machine_facts(torch.device(args.device)),
               "copy_bandwidth_bytes_per_s": bandwidth, "weight_bytes": weight_bytes,
               "results": results, "table": table}
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output).write_text(json.dumps(record, indent=2, default=str))
-
-
-if __name__ == "__main__":
-    main()
+    return 0

@@ -1,0 +1,1 @@
+"""The `tandem` command: models, generate, serve (bench comes from cluster/bench)."""

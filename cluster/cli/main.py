@@ -9,6 +9,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from cluster import environment
 from cluster.cli.generate import add_generate_command
 from cluster.cli.serve import add_serve_command
 from workers import catalog
@@ -32,7 +33,7 @@ def add_models_command(subparsers: argparse._SubParsersAction) -> None:
 def models_list(args: argparse.Namespace) -> int:
     rows = [("NAME", "ARCHITECTURE", "PARAMS", "GGUF", "PULLED")]
     for entry in catalog.list_models():
-        pulled = "yes" if catalog.is_pulled(entry.name) else "no"
+        pulled = "yes" if catalog.is_pulled(entry.name, environment.cache_dir()) else "no"
         default = " (default)" if entry.name == catalog.DEFAULT_MODEL else ""
         rows.append((entry.name + default, entry.architecture, entry.num_params,
                      entry.quantization, pulled))  # fmt: skip
@@ -44,14 +45,14 @@ def models_list(args: argparse.Namespace) -> int:
 
 
 def models_pull(args: argparse.Namespace) -> int:
-    was_pulled = catalog.is_pulled(args.name)
-    folder = catalog.pull(args.name)
+    was_pulled = catalog.is_pulled(args.name, environment.cache_dir())
+    folder = catalog.pull(args.name, environment.cache_dir())
     print(f"{args.name}: {'already pulled' if was_pulled else 'pulled'} at {folder}")
     return 0
 
 
 def models_path(args: argparse.Namespace) -> int:
-    print(catalog.model_path(args.name))
+    print(catalog.model_path(args.name, environment.cache_dir()))
     return 0
 
 

@@ -5,20 +5,14 @@ is reported at once, one line per flag.
 """
 
 import argparse
-import os
 import signal
 import socket
 import sys
 import time
 
+from cluster import environment
 from cluster.engine.config import DEFAULT_MODEL
-from cluster.serve.config import API_KEY_ENV, ServeConfig, load_config
-
-# Ray Serve's throughput-optimized mode, read by every Serve process when it starts: HTTP goes
-# straight to the ingress replicas (direct ingress) instead of through the proxy actor, and
-# the replicas run requests on their own event loop. W3 on one H200 at concurrency 32: HTTP
-# kept 90.2-91.2% of in-process tokens/s with it (three runs), 83.9-88.9% without (four)
-THROUGHPUT_OPTIMIZED_ENV = "RAY_SERVE_THROUGHPUT_OPTIMIZED"
+from cluster.serve.config import ServeConfig, load_config
 
 FLAGS = {  # flag -> (ServeConfig field, type, help)
     "--model": ("model", str, f"catalog name or HF folder (default: {DEFAULT_MODEL})"),
@@ -29,7 +23,8 @@ FLAGS = {  # flag -> (ServeConfig field, type, help)
                            "HTTP ingress replicas (default: 0, auto: 4 on a GPU, 1 on the CPU)"),
     "--host": ("host", str, "bind address (default: 127.0.0.1)"),
     "--port": ("port", int, "HTTP port (default: 8000)"),
-    "--api-key": ("api_key", str, f"require this bearer key on /v1 (default: ${API_KEY_ENV})"),
+    "--api-key": ("api_key", str, "require this bearer key on /v1 (default: "
+                f"${environment.API_KEY.name})"),
     "--max-body-bytes": ("max_body_bytes", int, "larger request bodies get 413 (default 4 MiB)"),
     "--dtype": ("dtype", str, "auto | float32 | bfloat16 | float16"),
     "--device": ("device", str, "auto | cpu | cuda"),
@@ -56,7 +51,7 @@ def add_serve_command(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--throughput-optimized", action=argparse.BooleanOptionalAction,
                         default=None, help="Ray Serve's throughput-optimized mode: HTTP reaches "
                         "the ingress replicas without Serve's proxy actor (default: on, or "
-                        f"${THROUGHPUT_OPTIMIZED_ENV})")
+                        f"${environment.SERVE_THROUGHPUT_OPTIMIZED.name})")
     parser.set_defaults(handler=serve_command)
 
 
@@ -66,19 +61,11 @@ def serve_command(args: argparse.Namespace) -> int:
     values = {f: getattr(args, f) for f in fields if getattr(args, f) is not None}
     config = load_config(values, names={field: flag for flag, (field, _, _) in FLAGS.items()})
     check_port_free(config)
-    # before Ray starts: the Serve processes it launches inherit the environment
-    os.environ[THROUGHPUT_OPTIMIZED_ENV] = throughput_optimized_env(args.throughput_optimized)
+    # before Ray starts: the Serve processes it launches inherit the environment (a Ray
+    # cluster that is already running keeps the value its own processes started with)
+    environment.set_serve_throughput_optimized(args.throughput_optimized)
     run_server(config)
     return 0
-
-
-def throughput_optimized_env(flag: bool | None) -> str:
-    """RAY_SERVE_THROUGHPUT_OPTIMIZED for the Ray instance `tandem serve` starts: the flag when
-    given, else the environment's value, else on. (A Ray cluster that is already running keeps
-    the value its own processes started with.)"""
-    if flag is not None:
-        return "1" if flag else "0"
-    return os.environ.get(THROUGHPUT_OPTIMIZED_ENV, "1")
 
 
 def check_port_free(config: ServeConfig) -> None:

@@ -1,0 +1,1 @@
+"""One replica's engine in one process: LLMEngine, the LLM API, config, outputs, executors."""

@@ -1,39 +1,72 @@
-"""The engine's configuration: one frozen dataclass, checked when it is made."""
+"""The engine's configuration: one frozen dataclass, checked when it is made.
 
-from dataclasses import dataclass
+Every option has a default and a one-line meaning (``option(...)``); the README's
+configuration table lists the same names, defaults and meanings (a test holds them equal).
+"""
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from cluster import environment
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 AUTO_GPU_DECODE_STEPS = 8  # tokens per host round trip; a request waits at most this many
+PEER_SUM_KERNELS = ("push", "one_shot")
+
+
+def option(default: Any, meaning: str, *, shown: str | None = None) -> Any:
+    """A field with its meaning; ``shown`` is the default as the README writes it (for defaults
+    worked out at run time). A callable default is a factory, called when a config is made."""
+    metadata = {"meaning": meaning, "shown": shown}
+    if callable(default):
+        return field(default_factory=default, metadata=metadata)
+    return field(default=default, metadata=metadata)
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str = DEFAULT_MODEL  # a catalog name or a HuggingFace folder
-    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
-    device: str = "auto"  # auto (cuda if present) | cpu | cuda | cuda:N
-    block_size: int = 16
-    num_kv_blocks: int | None = None  # None: sized from memory
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 64
-    max_model_len: int | None = None  # None: the model's own context length
-    max_prefill_chunk: int = 0  # tokens of one prompt per step at most; 0: the whole budget
-    enable_prefix_caching: bool = True
-    attention_backend: str = "auto"  # auto | reference | triton
-    enforce_eager: bool = False  # no CUDA graphs for decode steps
-    # tensor parallel on GPUs: small all-reduces (decode steps) through peer memory over NVLink
-    # in one kernel; False: NCCL does every sum
-    symmetric_all_reduce: bool = True
-    # decode steps one call to the workers may run back to back when every request decodes
-    # (no host round trip between them); 0: auto, 8 on a GPU and 1 on the CPU
-    decode_steps: int = 0
-    # multi-step calls also run the next call's first step while the host reads this call's
-    # tokens and schedules the next (router/scheduler.py): the device does not wait for the host
-    decode_lookahead: bool = True
-    cpu_kv_cache_gb: float = 1.0
-    gpu_memory_utilization: float = 0.9
-    tensor_parallel_size: int = 1
-    distributed_executor_backend: str = "auto"  # auto (ray when tensor parallel) | uni | ray
-    seed: int = 0
+    model: str = option(DEFAULT_MODEL, "a catalog name or a HuggingFace model folder")
+    dtype: str = option("auto", "`float32` on the CPU, `bfloat16` on a GPU; or `float32`, "
+                        "`bfloat16`, `float16`")
+    device: str = option("auto", "`cuda` when present, else `cpu`; or `cpu`, `cuda`, `cuda:N`")
+    block_size: int = option(16, "tokens per KV block")
+    num_kv_blocks: int | None = option(None, "KV blocks in all; by default as many as "
+                                       "`cpu_kv_cache_gb` or `gpu_memory_utilization` allow",
+                                       shown="from memory")
+    max_num_batched_tokens: int = option(2048, "token budget of one step (prefill chunks + "
+                                         "decodes)")
+    max_num_seqs: int = option(64, "sequences running at once")
+    max_model_len: int | None = option(None, "prompt + output limit (also capped by the KV "
+                                       "cache)", shown="the model's")
+    max_prefill_chunk: int = option(0, "at most this many prompt tokens of one sequence per "
+                                    "step; 0: the whole budget")
+    enable_prefix_caching: bool = option(True, "share the KV blocks of common prefixes")
+    attention_backend: str = option("auto", "`triton` on a GPU, `reference` (plain PyTorch) on "
+                                    "the CPU")
+    enforce_eager: bool = option(False, "no CUDA graphs for decode steps (used on a GPU with the "
+                                 "Triton backend)")
+    symmetric_all_reduce: bool = option(True, "tensor parallel on GPUs: sums up to 4 MiB "
+                                        "(decode steps) through peer memory in one kernel (NCCL "
+                                        "where a rank cannot set it up); False: NCCL for all")
+    peer_sum_kernel: str = option(environment.peer_sum_kernel, "the kernel of those sums: "
+                                  "`push` (one one-way trip) or `one_shot` (PyTorch's)",
+                                  shown="push")
+    decode_steps: int = option(0, "decode steps per call to the workers when every request "
+                               "decodes; 0: auto (8 on a GPU, 1 on the CPU); 1: one a call")
+    decode_lookahead: bool = option(True, "a multi-step call also runs the next call's first "
+                                    "step, so the device works while the host reads tokens "
+                                    "and schedules (off for `tandem serve`)")
+    cpu_kv_cache_gb: float = option(1.0, "KV cache size on the CPU, in GiB")
+    gpu_memory_utilization: float = option(0.9, "share of the GPU's memory for weights, "
+                                           "activations and the KV cache")
+    tensor_parallel_size: int = option(1, "shards per replica (Ray actors; NCCL on GPUs, gloo on "
+                                       "the CPU)")
+    distributed_executor_backend: str = option("auto", "`ray` when tensor parallel, else `uni` "
+                                               "(in-process)")
+    cpu_threads: int = option(1, "torch threads of each CPU shard in its own Ray actor")
+    cache_dir: str = option(lambda: str(environment.cache_dir()), "where catalog models are "
+                            "pulled and converted", shown="$TANDEM_CACHE_DIR or ~/.cache/tandem")
+    seed: int = option(0, "the sampler's seed for requests without their own")
 
     def __post_init__(self) -> None:
         checks = [
@@ -59,6 +92,10 @@ class EngineConfig:
              f"got '{self.distributed_executor_backend}'"),
             (self.tensor_parallel_size == 1 or self.distributed_executor_backend != "uni",
              "tensor_parallel_size > 1 needs distributed_executor_backend='ray'"),
+            (self.peer_sum_kernel in PEER_SUM_KERNELS,
+             f"peer_sum_kernel: the peer-memory sum kernel ({environment.PEER_SUM.name}) must "
+             f"be one of {', '.join(PEER_SUM_KERNELS)}, got {self.peer_sum_kernel!r}"),
+            (self.cpu_threads >= 1, f"cpu_threads must be at least 1, got {self.cpu_threads}"),
         ]
         for ok, message in checks:
             if not ok:
@@ -83,3 +120,14 @@ class EngineConfig:
         import torch
 
         return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def describe_options() -> list[tuple[str, str, str]]:
+    """(name, default as shown, meaning) of every option, in order."""
+    rows = []
+    for f in fields(EngineConfig):
+        shown = f.metadata["shown"]
+        if shown is None:
+            shown = f.default if f.default is not None else "None"
+        rows.append((f.name, str(shown), f.metadata["meaning"]))
+    return rows

@@ -19,7 +19,7 @@ from cluster.engine.output_processor import (
     finish_completion,
     make_tracker,
 )
-from cluster.engine.outputs import EngineStats, RequestDelta, RequestOutput
+from cluster.engine.outputs import EngineStats, RequestDelta, RequestOutput, part_ids
 from cluster.engine.step_builder import StepBuilder
 from cluster.engine.tokenizer import Message, apply_chat_template, eos_token_ids, load_tokenizer
 from kvstore.kv_cache_manager import KVCacheManager
@@ -43,6 +43,7 @@ def worker_config(config: EngineConfig, folder: Path) -> WorkerConfig:
         max_num_batched_tokens=config.max_num_batched_tokens, seed=config.seed,
         max_num_seqs=config.max_num_seqs, enforce_eager=config.enforce_eager,
         symmetric_all_reduce=config.symmetric_all_reduce, max_model_len=config.max_model_len,
+        peer_sum_kernel=config.peer_sum_kernel, cpu_threads=config.cpu_threads,
     )
 
 
@@ -57,7 +58,7 @@ def make_executor(config: EngineConfig, folder: Path) -> Executor:
 class LLMEngine:
     def __init__(self, config: EngineConfig, executor: Executor | None = None) -> None:
         self.config = config
-        self.model_path = resolve_model(config.model)
+        self.model_path = resolve_model(config.model, config.cache_dir)
         hf_config = load_config(self.model_path)
         self.vocab_size = hf_config.vocab_size
         self.tokenizer = load_tokenizer(self.model_path)
@@ -104,7 +105,7 @@ class LLMEngine:
             raise ValueError(f"request id '{request_id}' is already in use")
         prompt_ids = self.tokenize(prompt)
         self.check_prompt(prompt_ids)
-        seq_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
+        seq_ids = part_ids(request_id, params.n)
         text = prompt if isinstance(prompt, str) else None
         tracker = make_tracker(request_id, text, prompt_ids, params, seq_ids, self.tokenizer)
         self.requests[request_id] = tracker

@@ -3,6 +3,12 @@
 from dataclasses import dataclass, field
 
 
+def part_ids(request_id: str, count: int) -> list[str]:
+    """Ids for the ``count`` parts of one request: the engine's n samples of a prompt, the
+    service's prompts of one completions request. One part keeps the request's own id."""
+    return [request_id] if count == 1 else [f"{request_id}#{i}" for i in range(count)]
+
+
 @dataclass
 class RequestMetrics:
     arrival_time: float
@@ -66,12 +72,6 @@ class EngineStats:
     kv_blocks_total: int
     num_running: int
     num_waiting: int
-
-    @property
-    def prefix_cache_hit_rate(self) -> float:
-        if not self.prefix_cache_queries:
-            return 0.0
-        return self.prefix_cache_hits / self.prefix_cache_queries
 
 
 @dataclass

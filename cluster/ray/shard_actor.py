@@ -8,6 +8,7 @@ import ray
 import torch
 import torch.distributed as dist
 
+from cluster import environment
 from workers.layers.parallel import TensorParallelGroup
 from workers.step_input import StepInput, StepOutput
 from workers.worker import Worker, WorkerConfig
@@ -32,7 +33,7 @@ class ShardActor:
     def __init__(self, config: WorkerConfig, rank: int, world_size: int) -> None:
         self.config, self.rank, self.world_size = config, rank, world_size
         if config.device == "cpu":
-            torch.set_num_threads(max(1, int(os.environ.get("TANDEM_CPU_THREADS", "1"))))
+            torch.set_num_threads(config.cpu_threads)
         self.worker: Worker | None = None
         self.profiler = None  # a torch.profiler between start_profile and stop_profile
 
@@ -50,17 +51,13 @@ class ShardActor:
         only its own GPU, as cuda:0 in every rank; PyTorch's peer-memory rendezvous refuses
         ranks on the same device index, so each shard sees all of them and picks its own."""
         on_gpu = self.config.device.startswith("cuda")
+        environment.prepare_shard_process(on_gpu, self.world_size > 1, replica_gpus)
         if on_gpu and replica_gpus:
             own = self.gpu_ids()
             assert len(own) == 1 and own[0] in replica_gpus, (own, replica_gpus)
-            os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(replica_gpus)  # before CUDA starts
             torch.cuda.set_device(replica_gpus.index(own[0]))
         tp = TensorParallelGroup.single()
         if self.world_size > 1:
-            if on_gpu:
-                # decode CUDA graphs capture NCCL collectives: no recordStream on their buffers
-                # (read when the process group is made)
-                os.environ.setdefault("TORCH_NCCL_AVOID_RECORD_STREAMS", "1")
             # bound to this rank's GPU: NCCL would otherwise guess cuda:<rank> for barriers
             device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else None
             dist.init_process_group(
@@ -70,7 +67,7 @@ class ShardActor:
             )
             tp = TensorParallelGroup.from_process_group()
             if device is not None and self.config.symmetric_all_reduce:
-                tp = tp.with_symmetric_all_reduce(device)
+                tp = tp.with_symmetric_all_reduce(device, self.config.peer_sum_kernel)
         self.worker = Worker(self.config, tp)
 
     def determine_num_kv_blocks(self) -> int:

@@ -46,7 +46,8 @@ class TandemCluster:
             raise ValueError(f"num_replicas must be at least 1, got {num_replicas}")
         if not ray.is_initialized():
             ray.init()
-        resolve_model(config.model)  # pull once here, not in every replica at the same time
+        # pull once here, not in every replica at the same time
+        resolve_model(config.model, config.cache_dir)
         self.config = config
         self._streams: dict[int, ReplicaStream] = {}  # by replica index
         self.replicas = [
@@ -54,7 +55,7 @@ class TandemCluster:
             for index in range(num_replicas)
         ]
         infos = ray.get([replica.info.remote() for replica in self.replicas])
-        self.model_path = resolve_model(str(infos[0]["model_path"]))
+        self.model_path = resolve_model(str(infos[0]["model_path"]), config.cache_dir)
         self.max_model_len = min(int(info["max_model_len"]) for info in infos)  # type: ignore[call-overload]
         self.router = ray.remote(RouterActor).options(**ROUTER_ACTOR_OPTIONS).remote(
             num_replicas, policy

@@ -72,7 +72,7 @@ def build_app(service: OpenAIService, config: ServeConfig) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        snapshots = await cluster.engine.metrics()
+        snapshots = await cluster.metrics()
         body = render(make_registry(service.model_name, lambda: snapshots))
         return Response(body, media_type=CONTENT_TYPE_LATEST)
 

@@ -5,15 +5,14 @@ field; inside, the engine gets a plain ``EngineConfig``.
 """
 
 import json
-import os
 from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from cluster import environment
 from cluster.engine.config import DEFAULT_MODEL, EngineConfig
 
-API_KEY_ENV = "TANDEM_API_KEY"
 AUTO_GPU_INGRESS_REPLICAS = 4
 
 
@@ -31,9 +30,9 @@ class ServeConfig(BaseModel):
                                   "the CPU).")
     host: str = Field("127.0.0.1", description="Address the HTTP server binds to.")
     port: int = Field(8000, ge=1, le=65535, description="HTTP port.")
-    api_key: str | None = Field(default_factory=lambda: os.environ.get(API_KEY_ENV) or None,
+    api_key: str | None = Field(default_factory=environment.api_key,
                                 description="Required as 'Authorization: Bearer <key>' "
-                                f"on /v1 routes; default: ${API_KEY_ENV}.")
+                                f"on /v1 routes; default: ${environment.API_KEY.name}.")
     max_body_bytes: int = Field(4 << 20, ge=1024, description="Larger request bodies get 413.")
     max_ongoing_requests: int = Field(1024, ge=1, description="Requests the ingress accepts "
                                       "at once.")

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from transformers import PreTrainedTokenizerBase
 
-from cluster.engine.outputs import RequestOutput
+from cluster.engine.outputs import RequestOutput, part_ids
 from cluster.engine.tokenizer import apply_chat_template
 from cluster.serve.openai_errors import bad_request, cause_message, model_not_found
 from cluster.serve.openai_format import chat_choices, completion_choices, usage
@@ -125,8 +125,7 @@ class OpenAIService:
                      params: list[SamplingParams]) -> Stream:
         """Starts one cluster request per prompt and waits for the first output, so an error
         the engine finds in a prompt becomes a 400 before any response is sent."""
-        ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}"
-                                                      for i in range(len(prompts))]
+        ids = part_ids(request_id, len(prompts))
         streams = [self.cluster.generate(p, sp, rid)
                    for p, sp, rid in zip(prompts, params, ids, strict=True)]
         try:

@@ -4,6 +4,7 @@ import os
 import numpy as np
 import pytest
 
+from cluster import environment
 from cluster.cli.main import main as tandem
 from workers import catalog
 from workers.catalog import CATALOG, DEFAULT_MODEL, ChecksumError, resolve_model
@@ -92,8 +93,8 @@ def test_cli_lists_the_catalog(capsys, monkeypatch, tmp_path):
 @pytest.mark.slow
 def test_pull_default_model_converts_to_a_hf_folder():
     # Uses $TANDEM_CACHE_DIR or the default cache, so CI downloads the model once.
-    folder = catalog.pull(DEFAULT_MODEL)
-    assert catalog.pull(DEFAULT_MODEL) == folder  # second pull: no-op
+    folder = catalog.pull(DEFAULT_MODEL, environment.cache_dir())
+    assert catalog.pull(DEFAULT_MODEL, environment.cache_dir()) == folder  # second pull: no-op
     config = json.loads((folder / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"]
     assert config["vocab_size"] == 49152

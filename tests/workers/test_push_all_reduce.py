@@ -81,18 +81,3 @@ def test_a_peer_that_never_comes_sets_the_error_flag_instead_of_hanging():
     results, counters = run_ranks(2, torch.float32, ranks=1, max_spins=4)
     assert counters[0][-1] == 1
     assert counters[0][:6].tolist() == [5, 4, 4, 4, 1, 0]
-
-
-def test_the_peer_memory_kernel_is_chosen_by_argument_or_environment(monkeypatch):
-    from workers.layers.symmetric_all_reduce import ENV, choose_kernel
-
-    monkeypatch.delenv(ENV, raising=False)
-    assert choose_kernel() == "push"
-    monkeypatch.setenv(ENV, "one_shot")
-    assert choose_kernel() == "one_shot"
-    assert choose_kernel("push") == "push"  # an argument wins
-    monkeypatch.setenv(ENV, "ring")
-    message = (r"the peer-memory sum kernel \(TANDEM_PEER_SUM\) must be one of push, one_shot, "
-               "got 'ring'")
-    with pytest.raises(ValueError, match=message):
-        choose_kernel()

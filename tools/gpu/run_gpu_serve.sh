@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # W3 on one GPU, the serving variants side by side: N ingress replicas, through Serve's proxy or
-# with direct ingress (RAY_SERVE_THROUGHPUT_OPTIMIZED: the ingress serves HTTP itself; what
-# `tandem serve` runs by default since the sixth session).
+# with direct ingress (RAY_SERVE_THROUGHPUT_OPTIMIZED: the ingress serves HTTP itself; the
+# default of `tandem serve`).
 # Needs Ray and pydantic: on the GPU machine, `source .kit/on-device.sh` first.
 # Usage: OUT=<folder> W3_VARIANTS="4 0;8 1" bash tools/gpu/run_gpu_serve.sh
 #   W3_ARGS: more arguments for every variant, e.g. W3_ARGS=--decode-lookahead
@@ -13,10 +13,10 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export TANDEM_CACHE_DIR=${TANDEM_CACHE_DIR:-/tmp/tandem-cache}
 OUT=${OUT:-bench-results}; mkdir -p "$OUT"
 LOG="$OUT/log-serve.txt"; ERR="$OUT/stderr-serve.txt"
-# the model's random weights are written once, before the variants and their time limits (the
-# seventh session's first variant spent its 150 s on that and on starting Serve)
-python -c "from cluster.bench.shapes import build_random_model; from workers.catalog import \
-cache_root; build_random_model('llama-3.2-1b', cache_root() / 'bench-models')" 2>>"$ERR"
+# the model's random weights are written once, before the variants and their time limits (on a
+# fresh machine that and starting Serve can take a variant's whole limit)
+python -c "from cluster.bench.shapes import build_random_model; from cluster import environment; \
+build_random_model('llama-3.2-1b', environment.cache_dir() / 'bench-models')" 2>>"$ERR"
 IFS=';' read -ra variants <<<"${W3_VARIANTS:-4 1;4 0}"
 for variant in "${variants[@]}"; do
   read -r ingress optimized <<<"$variant"

@@ -1,0 +1,1 @@
+"""Triton kernel sweeps, micro-benchmarks and checks (tools/README.md)."""

@@ -1,0 +1,1 @@
+"""Profilers of the engine, the host and the collectives (tools/README.md)."""

@@ -12,13 +12,13 @@ equal to NCCL's.
 
 import argparse
 import json
-import os
 import socket
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from cluster import environment
 from workers.layers.symmetric_all_reduce import KERNELS, SymmetricAllReduce
 
 SUMS_PER_GRAPH = 64  # about one decode step of an 8B model at TP 2 (65 sums)
@@ -54,7 +54,7 @@ def graph_us_per_call(fn, x: torch.Tensor, replays: int) -> float:
 def run_rank(rank: int, args: argparse.Namespace, port: int, queue) -> None:
     device = torch.device("cuda", rank)
     torch.cuda.set_device(device)
-    os.environ.setdefault("TORCH_NCCL_AVOID_RECORD_STREAMS", "1")
+    environment.prepare_shard_process(on_gpu=True, tensor_parallel=True, replica_gpus=None)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=args.world_size, device_id=device)
     group = dist.group.WORLD

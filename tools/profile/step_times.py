@@ -20,11 +20,11 @@ from collections.abc import Callable
 
 import torch
 
+from cluster import environment
 from cluster.bench.engine_runs import greedy, make_llm
 from cluster.bench.shapes import SHAPES, build_random_model
 from cluster.bench.triton_compiles import CompileLog
 from cluster.bench.workloads import throughput_requests
-from workers.catalog import cache_root, resolve_model
 from workers.kv_cache import kv_bytes_per_block
 
 BATCH_BOUNDS = (8, 16, 32, 64, 128, 192, 256)  # decode calls are also counted by batch size
@@ -191,8 +191,8 @@ def main() -> None:
                         help='profile the first call of each kind, e.g. "prefill (with decodes)"')
     args = parser.parse_args()
     compiles = CompileLog.start()
-    folder = build_random_model(args.shape, cache_root() / "bench-models")
-    llm = make_llm(resolve_model(str(folder)), max_num_seqs=args.max_num_seqs,
+    folder = build_random_model(args.shape, environment.cache_dir() / "bench-models")
+    llm = make_llm(folder, max_num_seqs=args.max_num_seqs,
                    max_num_batched_tokens=args.max_num_batched_tokens,
                    decode_steps=args.decode_steps)
     warm = throughput_requests(8, 100, 200)

@@ -5,7 +5,6 @@ into place, so the target either does not exist or is complete: an interrupted p
 leaves a half folder, and a folder that exists needs no further check.
 """
 
-import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -14,11 +13,8 @@ from workers.catalog.entries import CATALOG, CatalogEntry
 
 
 def cache_root(cache_dir: str | Path | None = None) -> Path:
-    """`cache_dir`, else `$TANDEM_CACHE_DIR`, else `~/.cache/tandem`."""
-    if cache_dir is not None:
-        return Path(cache_dir)
-    env = os.environ.get("TANDEM_CACHE_DIR")
-    return Path(env) if env else Path.home() / ".cache" / "tandem"
+    """`cache_dir`, else `~/.cache/tandem` (entry points pass `$TANDEM_CACHE_DIR` as cache_dir)."""
+    return Path(cache_dir) if cache_dir is not None else Path.home() / ".cache" / "tandem"
 
 
 def lookup(name: str) -> CatalogEntry:

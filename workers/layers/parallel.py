@@ -39,13 +39,15 @@ class TensorParallelGroup:
         group = group or dist.group.WORLD
         return cls(rank=dist.get_rank(group), size=dist.get_world_size(group), group=group)
 
-    def with_symmetric_all_reduce(self, device: torch.device) -> "TensorParallelGroup":
+    def with_symmetric_all_reduce(self, device: torch.device,
+                                  kernel: str = "push") -> "TensorParallelGroup":
         """This group with peer-memory sums where every rank could set them up (a collective);
         unchanged where any could not (the reason is logged)."""
         if self.size == 1 or device.type != "cuda":
             return self
         agree = partial(self.all_true, device=device)
-        return replace(self, symmetric=make_symmetric_all_reduce(self.group, device, agree))
+        return replace(self, symmetric=make_symmetric_all_reduce(self.group, device, agree,
+                                                                   kernel=kernel))
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         """The sum of t over the ranks: t itself, summed in place by NCCL, or a new tensor from

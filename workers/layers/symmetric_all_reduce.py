@@ -4,7 +4,7 @@ A decode step of a tensor-parallel model all-reduces two hidden-state rows per l
 and MLP outputs): 8 KB at batch 1 for an 8B model, 65 times a step. Inside a CUDA graph NCCL
 takes ~21 µs for each (tools/profile/all_reduce.py, two H200s). Here every rank of the group
 maps one buffer of every other rank (PyTorch symmetric memory over NVLink) and one kernel does
-the sum, with one of two kernels (``TANDEM_PEER_SUM``):
+the sum, with one of two kernels (the engine's ``peer_sum_kernel``):
 
 - ``push`` (the default, push_all_reduce.py): each rank writes its input into every rank's
   buffer and raises a flag there; a rank sums once its peers' flags are up. One one-way trip.
@@ -16,7 +16,6 @@ Only peer pointers are used, never NVLink multicast (``multimem``). Tensors larg
 """
 
 import logging
-import os
 import warnings
 from collections.abc import Callable
 
@@ -27,32 +26,24 @@ log = logging.getLogger(__name__)
 
 DEFAULT_MAX_BYTES = 4 << 20  # decode batches up to 256 rows of 8192 bf16 values
 KERNELS = ("push", "one_shot")
-ENV = "TANDEM_PEER_SUM"
 # PyTorch's one-shot kernel is compiled for these dtypes only (no float16)
 ONE_SHOT_DTYPES = (torch.bfloat16, torch.float32)
 
 
-def choose_kernel(kernel: str | None = None) -> str:
-    """``kernel``, else $TANDEM_PEER_SUM, else push; a clear error for any other name."""
-    choice = kernel or os.environ.get(ENV, "push")
-    if choice not in KERNELS:
-        raise ValueError(f"the peer-memory sum kernel ({ENV}) must be one of "
-                         f"{', '.join(KERNELS)}, got {choice!r}")
-    return choice
-
-
 class SymmetricAllReduce:
     def __init__(self, group: dist.ProcessGroup, device: torch.device,
-                 max_bytes: int = DEFAULT_MAX_BYTES, kernel: str | None = None) -> None:
-        # no multicast object at the rendezvous: nothing here uses it, and on some hosts creating
-        # one is unsafe (read by PyTorch when the first buffer is mapped)
-        os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
+                 max_bytes: int = DEFAULT_MAX_BYTES, kernel: str = "push") -> None:
+        # The process must not create NVLink multicast objects at the rendezvous: its start-up
+        # sets TORCH_SYMM_MEM_DISABLE_MULTICAST (cluster/environment.py)
+        if kernel not in KERNELS:
+            raise ValueError(f"the peer-memory sum kernel must be one of {', '.join(KERNELS)}, "
+                             f"got {kernel!r}")
         import torch.distributed._symmetric_memory as symm_mem
 
         # Triton only here, on GPUs: a CPU install may have none
         from workers.layers.push_all_reduce import FLAGS_BYTES, buffer_bytes, new_counters
 
-        self.kernel = choose_kernel(kernel)
+        self.kernel = kernel
         self.group_name = group.group_name
         self.max_bytes = max_bytes
         self.rank = dist.get_rank(group)
@@ -97,14 +88,15 @@ class SymmetricAllReduce:
 
 def make_symmetric_all_reduce(group: dist.ProcessGroup, device: torch.device,
                               all_ranks: Callable[[bool], bool],
-                              max_bytes: int = DEFAULT_MAX_BYTES) -> SymmetricAllReduce | None:
+                              max_bytes: int = DEFAULT_MAX_BYTES,
+                              kernel: str = "push") -> SymmetricAllReduce | None:
     """A SymmetricAllReduce if every rank of the group could set one up, else None and NCCL
     does every sum. ``all_ranks(flag)`` tells whether flag holds on every rank (a collective):
     the ranks agree after each stage, since a rank that ran the self-check's kernel alone would
     wait at its barrier for peers that never come."""
     reducer, reason = None, ""
     try:
-        reducer = SymmetricAllReduce(group, device, max_bytes)
+        reducer = SymmetricAllReduce(group, device, max_bytes, kernel)
     except Exception as exc:  # noqa: BLE001 — any failure means: use NCCL
         reason = f"{type(exc).__name__}: {exc}"
     if all_ranks(reducer is not None):

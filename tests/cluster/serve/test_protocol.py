@@ -196,13 +196,3 @@ def test_ingress_replicas_auto_is_four_on_a_gpu_one_on_the_cpu():
     assert ServeConfig(device="cuda", ingress_replicas=2).num_ingress_replicas == 2
     with pytest.raises(ValueError, match="ingress_replicas"):
         load_config({"ingress_replicas": -1})
-
-
-def test_serve_runs_ray_serve_throughput_optimized_unless_told(monkeypatch):
-    from cluster.cli.serve import THROUGHPUT_OPTIMIZED_ENV, throughput_optimized_env
-
-    monkeypatch.delenv(THROUGHPUT_OPTIMIZED_ENV, raising=False)
-    assert throughput_optimized_env(None) == "1"
-    assert (throughput_optimized_env(True), throughput_optimized_env(False)) == ("1", "0")
-    monkeypatch.setenv(THROUGHPUT_OPTIMIZED_ENV, "0")  # the environment's choice, unless a flag
-    assert (throughput_optimized_env(None), throughput_optimized_env(True)) == ("0", "1")

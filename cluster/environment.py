@@ -1,0 +1,80 @@
+"""Every environment variable tandem reads or sets, in one place.
+
+Only the edges call this module: the CLI, the Serve app builder, the config objects' defaults
+(made where a user or an entry point makes them) and a shard actor's start-up, which must set
+CUDA and NCCL variables in its own process before they are read. Everything below gets plain
+config objects. ``VARIABLES`` is what a user may set; the README's table lists the same names.
+"""
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Variable:
+    name: str
+    default: str
+    meaning: str
+
+
+CACHE_DIR = Variable("TANDEM_CACHE_DIR", "~/.cache/tandem",
+                     "where catalog models are pulled and converted, and bench shapes built")
+API_KEY = Variable("TANDEM_API_KEY", "none",
+                   "the bearer key the server requires on /v1 (`--api-key` wins)")
+PEER_SUM = Variable("TANDEM_PEER_SUM", "push", "the default of `peer_sum_kernel`: "
+                    "`push` or `one_shot` (PyTorch's kernel)")
+# read by Ray Serve itself, in every Serve process as it starts: HTTP goes straight to the
+# ingress replicas (direct ingress) instead of through the proxy actor
+SERVE_THROUGHPUT_OPTIMIZED = Variable(
+    "RAY_SERVE_THROUGHPUT_OPTIMIZED", "1", "Ray Serve's throughput-optimized mode for the Ray "
+    "instance `tandem serve` starts (`--[no-]throughput-optimized` wins); on a running Ray "
+    "cluster, set it in the nodes' environment")
+VARIABLES = (CACHE_DIR, API_KEY, PEER_SUM, SERVE_THROUGHPUT_OPTIMIZED)
+
+
+def cache_dir() -> Path:
+    value = os.environ.get(CACHE_DIR.name)
+    return Path(value) if value else Path.home() / ".cache" / "tandem"
+
+
+def api_key() -> str | None:
+    return os.environ.get(API_KEY.name) or None
+
+
+def peer_sum_kernel() -> str:
+    return os.environ.get(PEER_SUM.name) or PEER_SUM.default
+
+
+def set_serve_throughput_optimized(flag: bool | None) -> str:
+    """Sets RAY_SERVE_THROUGHPUT_OPTIMIZED for the Ray instance about to start (its processes
+    inherit it): the flag when given, else the environment's value, else on. Returns it."""
+    name = SERVE_THROUGHPUT_OPTIMIZED.name
+    if flag is not None:
+        value = "1" if flag else "0"
+    else:
+        value = os.environ.get(name) or SERVE_THROUGHPUT_OPTIMIZED.default
+    os.environ[name] = value
+    return value
+
+
+def prepare_shard_process(on_gpu: bool, tensor_parallel: bool,
+                          replica_gpus: list[str] | None) -> None:
+    """What a shard's own process must set before CUDA, NCCL and symmetric memory start."""
+    if not on_gpu:
+        return
+    if replica_gpus:
+        # Ray shows an actor only its own GPU; PyTorch's peer-memory rendezvous refuses ranks on
+        # the same device index, so each shard sees all of its replica's GPUs and picks its own
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(replica_gpus)
+    if tensor_parallel:
+        # decode CUDA graphs capture NCCL collectives: no recordStream on their buffers (read
+        # when the process group is made)
+        os.environ.setdefault("TORCH_NCCL_AVOID_RECORD_STREAMS", "1")
+        disable_symmetric_memory_multicast()
+
+
+def disable_symmetric_memory_multicast() -> None:
+    """No NVLink multicast object at a symmetric-memory rendezvous: nothing of ours uses it, and
+    on some hosts creating one is unsafe (PyTorch reads this when the first buffer is mapped)."""
+    os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
