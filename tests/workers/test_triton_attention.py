@@ -155,8 +155,8 @@ def test_longest_first_keeps_row_order_among_equal_lengths():
 @pytest.mark.parametrize("tile", [(32, 2, 3), (64, 4, 3), (128, 4, 2)])
 @pytest.mark.parametrize("num_splits", [1, 2])
 def test_decode_any_tile(tile, num_splits):
-    """Every tile the tuning sweep may pick (tune_decode.py) gives the reference's answer;
-    a 150-token context is not a whole number of 128-token steps."""
+    """Every tile the tuning sweep (tools/kernels/tune_decode.py) may pick gives the reference's
+    answer; a 150-token context is not a whole number of 128-token steps."""
     q, _, _, k_cache, v_cache, meta = make_batch([150, 9], [1, 1], 8, 2, 64, 16, torch.float32)
     expected = paged_attention(q, k_cache, v_cache, meta, 0.125)
     got = decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, 0.125,
