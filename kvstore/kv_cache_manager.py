@@ -169,6 +169,10 @@ class KVCacheManager:
     def take_events(self) -> list[KVEvent]:
         return self.pool.take_events()
 
+    def cached_hashes(self) -> tuple[BlockHash, ...]:
+        """Every hash the prefix cache holds (in use or evictable)."""
+        return tuple(self.pool.cached)
+
     def _hashes(self, request_id: str, token_ids: Sequence[int],
                 num_full: int | None = None) -> list[BlockHash]:
         """Hashes of the first ``num_full`` full blocks of token_ids (all of them by default),

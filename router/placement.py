@@ -1,13 +1,72 @@
-"""Which replica a new request goes to. Policies are small objects, replaceable by design."""
+"""Which replica a new request goes to. Policies are small objects over plain data.
 
-from collections.abc import Sequence
+``PrefixAffinity`` (the default) serves each request where it costs least: its prompt tokens
+that replica has not cached (from the KV directory, which the replicas' own events build), plus
+the prefill tokens already queued there, plus a weight times the requests decoding there. A load
+guard sends the request to the least-loaded replica instead when the cheapest one has too many
+more requests in flight, so one hot prefix cannot pile onto one replica while others idle; and
+the hashes of requests just routed count as held there for a few seconds ("pending"), so a
+burst of one group sticks together before the replica's events arrive.
+"""
+
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Protocol
+
+from kvstore.block_hash import BlockHash
+from kvstore.directory import KVDirectory
+
+
+@dataclass(frozen=True)
+class ReplicaLoad:
+    alive: bool = True
+    num_requests: int = 0  # routed there and not finished
+    num_prefilling: int = 0  # of which have no first token yet
+    num_prefill_tokens: int = 0  # their prompt tokens not found cached when they were routed
+
+
+@dataclass(frozen=True)
+class RoutingRequest:
+    block_hashes: Sequence[BlockHash]  # the prompt's full blocks, as the engines hash them
+    num_prompt_tokens: int
+    block_size: int
+
+
+@dataclass(frozen=True)
+class Decision:
+    replica: int
+    reason: str  # affinity | no_match | load_guard | least_loaded | round_robin
+    cached_tokens: int = 0  # prompt tokens expected to be found cached there
+
+
+REASONS = ("affinity", "no_match", "load_guard", "least_loaded", "round_robin")
 
 
 class PlacementPolicy(Protocol):
-    def choose(self, loads: Sequence[int], token_ids: Sequence[int]) -> int:
-        """Index of the replica for a request, given each replica's in-flight count."""
+    def choose(self, loads: Sequence[ReplicaLoad], request: RoutingRequest) -> Decision:
+        """The replica for a request, given every replica's load."""
         ...
+
+
+def candidates(loads: Sequence[ReplicaLoad]) -> list[int]:
+    """The live replicas; all of them when none is (requests then wait for a rebuild)."""
+    if not loads:
+        raise ValueError("no replicas to place a request on")
+    alive = [index for index, load in enumerate(loads) if load.alive]
+    return alive or list(range(len(loads)))
+
+
+class RoundRobin:
+    def __init__(self) -> None:
+        self._next = 0
+
+    def choose(self, loads: Sequence[ReplicaLoad], request: RoutingRequest) -> Decision:
+        live = candidates(loads)
+        choice = live[self._next % len(live)]
+        self._next += 1
+        return Decision(choice, "round_robin")
 
 
 class LeastLoaded:
@@ -16,11 +75,97 @@ class LeastLoaded:
     def __init__(self) -> None:
         self._next_tie = 0
 
-    def choose(self, loads: Sequence[int], token_ids: Sequence[int]) -> int:
-        if not loads:
-            raise ValueError("no replicas to place a request on")
-        lowest = min(loads)
-        tied = [index for index, load in enumerate(loads) if load == lowest]
+    def choose(self, loads: Sequence[ReplicaLoad], request: RoutingRequest) -> Decision:
+        live = candidates(loads)
+        lowest = min(loads[index].num_requests for index in live)
+        tied = [index for index in live if loads[index].num_requests == lowest]
         choice = tied[self._next_tie % len(tied)]
         self._next_tie += 1
-        return choice
+        return Decision(choice, "least_loaded")
+
+
+class PrefixAffinity:
+    def __init__(self, directory: KVDirectory, decode_weight: float = 32.0,
+                 max_imbalance: int = 16, pending_seconds: float = 5.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if max_imbalance < 1:
+            raise ValueError(f"max_imbalance must be at least 1, got {max_imbalance}")
+        self.directory = directory
+        self.decode_weight = decode_weight
+        self.max_imbalance = max_imbalance
+        self.pending_seconds = pending_seconds
+        self.clock = clock
+        # hash -> {replica: expiry}; the queue holds the same entries in expiry order
+        self.pending: dict[BlockHash, dict[int, float]] = {}
+        self._expiries: deque[tuple[float, BlockHash, int]] = deque()
+
+    def choose(self, loads: Sequence[ReplicaLoad], request: RoutingRequest) -> Decision:
+        live = candidates(loads)
+        self._expire()
+        stored = self.directory.longest_prefixes(request.block_hashes, live)
+        matched = self._longest_prefixes(request.block_hashes, live)
+        most_cached = max(request.num_prompt_tokens - 1, 0)
+
+        def cached(index: int) -> int:
+            return min(matched[index] * request.block_size, most_cached)
+
+        def cost(index: int) -> float:
+            load = loads[index]
+            decoding = load.num_requests - load.num_prefilling
+            # blocks matched only as pending are being computed there for another request:
+            # queued work this request shares (the engine lets it wait for them), not extra
+            shared = (matched[index] - stored[index]) * request.block_size
+            queued = max(0, load.num_prefill_tokens - shared)
+            return (request.num_prompt_tokens - cached(index) + queued
+                    + self.decode_weight * decoding)
+
+        best = min(live, key=lambda index: (cost(index), loads[index].num_requests, index))
+        least = min(live, key=lambda index: (loads[index].num_requests, cost(index), index))
+        if loads[best].num_requests - loads[least].num_requests > self.max_imbalance:
+            decision = Decision(least, "load_guard", cached(least))
+        else:
+            decision = Decision(best, "affinity" if cached(best) else "no_match", cached(best))
+        self._add_pending(request.block_hashes, decision.replica)
+        return decision
+
+    def _longest_prefixes(self, hashes: Sequence[BlockHash], live: list[int]) -> dict[int, int]:
+        """Leading blocks each replica holds, counting pending hashes as held."""
+        matched = dict.fromkeys(live, 0)
+        remaining = set(live)
+        for depth, block_hash in enumerate(hashes):
+            remaining &= self.directory.holders.get(block_hash, set()) | self.pending.get(
+                block_hash, {}).keys()
+            if not remaining:
+                break
+            for index in remaining:
+                matched[index] = depth + 1
+        return matched
+
+    def _add_pending(self, hashes: Sequence[BlockHash], replica: int) -> None:
+        expiry = self.clock() + self.pending_seconds
+        for block_hash in hashes:
+            self.pending.setdefault(block_hash, {})[replica] = expiry
+            self._expiries.append((expiry, block_hash, replica))
+
+    def _expire(self) -> None:
+        now = self.clock()
+        while self._expiries and self._expiries[0][0] <= now:
+            expiry, block_hash, replica = self._expiries.popleft()
+            entry = self.pending.get(block_hash)
+            if entry is not None and entry.get(replica) == expiry:  # not renewed since
+                del entry[replica]
+                if not entry:
+                    del self.pending[block_hash]
+
+
+POLICIES = ("prefix-affinity", "least-loaded", "round-robin")
+
+
+def make_policy(name: str, directory: KVDirectory) -> PlacementPolicy:
+    if name == "prefix-affinity":
+        return PrefixAffinity(directory)
+    if name == "least-loaded":
+        return LeastLoaded()
+    if name == "round-robin":
+        return RoundRobin()
+    raise ValueError(f"unknown routing policy {name!r} (choose from {', '.join(POLICIES)})")

@@ -43,6 +43,7 @@ class WorkerConfig:
     symmetric_all_reduce: bool = True  # TP on GPUs: small sums through peer memory, not NCCL
     peer_sum_kernel: str = "push"  # the kernel of those sums: push | one_shot
     cpu_threads: int = 1  # torch threads of a CPU shard in its own actor
+    gpu_fraction: float = 1.0  # the share of its GPU a shard actor asks Ray for
     seed: int = 0
     max_model_len: int | None = None  # the longest sequence; None: the model's own length
 
@@ -184,7 +185,10 @@ class Worker:
         torch.cuda.synchronize(self.device)
         free, total = torch.cuda.mem_get_info(self.device)
         reserve = self._activation_bytes() + (1 << 30)  # graphs, allocator slack
-        usable = free - total * (1 - self.config.gpu_memory_utilization) - reserve
+        # this process's share of the whole GPU, less what it holds already (the weights):
+        # other processes on the same GPU (another replica) take their own shares
+        own = total * self.config.gpu_memory_utilization - torch.cuda.memory_reserved(self.device)
+        usable = min(own, free) - reserve
         return max(1, int(usable) // block_bytes)
 
     def _activation_bytes(self) -> int:

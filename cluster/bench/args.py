@@ -121,6 +121,12 @@ def add_bench_parsers(subparsers: argparse._SubParsersAction) -> None:
     prefix.add_argument("--prefix-len", type=int, default=2048)
     prefix.add_argument("--question-len", type=int, default=128)
     prefix.add_argument("--output-len", type=int, default=256)
+    prefix.add_argument("--replicas", type=int, default=1,
+                        help="engine replicas on Ray (> 1: each --routing policy in turn)")
+    prefix.add_argument("--routing", default="prefix-affinity,least-loaded,round-robin",
+                        help="with --replicas > 1: the policies to run, comma-separated")
+    prefix.add_argument("--skewed", action="store_true",
+                        help="half of the requests share one hot prefix")
     prefix.set_defaults(handler=run_prefix)
 
     add_serve_bench_parser(workloads)  # W3: cluster/bench/serve_bench.py (serving owns it)

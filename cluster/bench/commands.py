@@ -18,6 +18,8 @@ from cluster.bench.engine_runs import (
     release,
     run_requests,
 )
+from cluster.bench.prefix_replicas import engine_config as replica_config
+from cluster.bench.prefix_replicas import prefix_replicas
 from cluster.bench.report import machine_facts, markdown_table, publish, write_json
 from cluster.bench.shapes import build_random_model
 from cluster.bench.triton_compiles import CompileLog
@@ -26,6 +28,7 @@ from cluster.bench.workloads import (
     ideal_prefix_hit_rate,
     latency_prompt,
     prefix_requests,
+    skewed_prefix_requests,
     throughput_requests,
 )
 from workers.catalog import resolve_model
@@ -236,11 +239,16 @@ def compiles_note(run: dict) -> str:
 
 
 def prefix(args: argparse.Namespace) -> int:
+    if args.replicas < 1:
+        raise ValueError(f"--replicas must be at least 1, got {args.replicas}")
     setup = Setup(args)
     shape = (args.num_groups, args.group_size, args.prefix_len, args.question_len)
-    requests = prefix_requests(*shape, args.output_len, setup.vocab_size, args.seed)
+    make_requests = skewed_prefix_requests if args.skewed else prefix_requests
+    requests = make_requests(*shape, args.output_len, setup.vocab_size, args.seed)
     warmup = prefix_requests(1, 2, args.prefix_len, args.question_len, 4, setup.vocab_size,
                              args.seed + 1)
+    if args.replicas > 1:
+        return prefix_on_replicas(args, setup, requests, warmup)
     results = {}
     for cache in (True, False):
         llm = setup.engine(enable_prefix_caching=cache)
@@ -267,5 +275,26 @@ def prefix(args: argparse.Namespace) -> int:
               f"{summary['ttft_p50_ratio_off_over_on']:.1f}x")
     record = setup.record | {"workload": "prefix", "cache_on": on, "cache_off": off,
                              "summary": summary}
+    publish(record, table, args.output)
+    return 0
+
+
+def prefix_on_replicas(args: argparse.Namespace, setup: Setup, requests: list[Request],
+                       warmup: list[Request]) -> int:
+    ideal = ideal_prefix_hit_rate(args.num_groups, args.group_size, args.prefix_len,
+                                  args.question_len, args.block_size)
+    if args.skewed:  # the same prefixes, computed once each; no closed form: count them
+        num_groups = len({tuple(r.prompt_token_ids[: args.prefix_len]) for r in requests})
+        cached = (len(requests) - num_groups) * (args.prefix_len // args.block_size
+                                                 * args.block_size)
+        ideal = cached / sum(len(r.prompt_token_ids) for r in requests)
+    ideal_computed = sum(len(r.prompt_token_ids) for r in requests) * (1 - ideal)
+    dtype = str(setup.dtype).removeprefix("torch.")
+    config = replica_config(args, str(setup.folder), dtype, str(setup.device))
+    results, table = prefix_replicas(args, config, requests, warmup, ideal_computed)
+    table += f"\n\nthe single-replica ideal: {round(ideal_computed)} prompt tokens computed"
+    record = setup.record | {"workload": "prefix-replicas", "replicas": args.replicas,
+                             "skewed": args.skewed, "ideal_computed": ideal_computed,
+                             "results": results}
     publish(record, table, args.output)
     return 0

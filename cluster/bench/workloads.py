@@ -64,3 +64,18 @@ def ideal_prefix_hit_rate(num_groups: int, group_size: int, prefix_len: int,
     cached_per_request = prefix_len // block_size * block_size
     total = num_groups * group_size * (prefix_len + question_len)
     return num_groups * (group_size - 1) * cached_per_request / total
+
+
+def skewed_prefix_requests(num_groups: int = 64, group_size: int = 16, prefix_len: int = 2048,
+                           question_len: int = 128, max_tokens: int = 256,
+                           vocab_size: int = 10001, seed: int = 0) -> list[Request]:
+    """W4 skewed: as many requests as W4, half of them in group 0 (one hot prefix), the rest
+    spread over the other groups; in a shuffled (seeded) order, as they would arrive."""
+    rng = random.Random(seed)
+    total = num_groups * group_size
+    prefixes = [[rng.randrange(vocab_size) for _ in range(prefix_len)]
+                for _ in range(num_groups)]
+    groups = [0] * (total // 2) + [1 + i % (num_groups - 1) for i in range(total - total // 2)]
+    rng.shuffle(groups)
+    return [Request(prefixes[g] + [rng.randrange(vocab_size) for _ in range(question_len)],
+                    max_tokens) for g in groups]

@@ -35,6 +35,7 @@ FLAGS = {  # flag -> (ServeConfig field, type, help)
     "--max-num-batched-tokens": ("max_num_batched_tokens", int, "tokens per step at most"),
     "--decode-steps": ("decode_steps", int, "decode steps per worker call (default: 0, auto)"),
     "--seed": ("seed", int, "engine seed (default: 0)"),
+    "--routing": ("routing", str, "prefix-affinity (default) | least-loaded | round-robin"),
 }
 
 

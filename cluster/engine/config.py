@@ -57,8 +57,10 @@ class EngineConfig:
                                     "step, so the device works while the host reads tokens "
                                     "and schedules (off for `tandem serve`)")
     cpu_kv_cache_gb: float = option(1.0, "KV cache size on the CPU, in GiB")
-    gpu_memory_utilization: float = option(0.9, "share of the GPU's memory for weights, "
-                                           "activations and the KV cache")
+    gpu_memory_utilization: float = option(0.9, "share of the GPU's memory this engine "
+                                           "takes for weights, activations and the KV cache")
+    gpu_fraction: float = option(1.0, "share of a GPU each shard asks Ray for: 0.5 puts two "
+                                 "replicas on one GPU (give each half the memory too)")
     tensor_parallel_size: int = option(1, "shards per replica (Ray actors; NCCL on GPUs, gloo on "
                                        "the CPU)")
     distributed_executor_backend: str = option("auto", "`ray` when tensor parallel, else `uni` "
@@ -96,6 +98,11 @@ class EngineConfig:
              f"peer_sum_kernel: the peer-memory sum kernel ({environment.PEER_SUM.name}) must "
              f"be one of {', '.join(PEER_SUM_KERNELS)}, got {self.peer_sum_kernel!r}"),
             (self.cpu_threads >= 1, f"cpu_threads must be at least 1, got {self.cpu_threads}"),
+            (0 < self.gpu_fraction <= 1,
+             f"gpu_fraction must be in (0, 1], got {self.gpu_fraction}"),
+            (self.gpu_fraction == 1 or self.tensor_parallel_size == 1,
+             "gpu_fraction < 1 needs tensor_parallel_size=1 (shards of one replica need GPUs "
+             "of their own)"),
         ]
         for ok, message in checks:
             if not ok:

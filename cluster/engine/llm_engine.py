@@ -11,6 +11,7 @@ from pathlib import Path
 
 from cluster.engine.config import EngineConfig
 from cluster.engine.executor import Executor, UniExecutor
+from cluster.engine.kv_events import KVEventPublisher
 from cluster.engine.metrics import EngineMetrics, MetricsSnapshot
 from cluster.engine.output_processor import (
     CompletionTracker,
@@ -44,6 +45,7 @@ def worker_config(config: EngineConfig, folder: Path) -> WorkerConfig:
         max_num_seqs=config.max_num_seqs, enforce_eager=config.enforce_eager,
         symmetric_all_reduce=config.symmetric_all_reduce, max_model_len=config.max_model_len,
         peer_sum_kernel=config.peer_sum_kernel, cpu_threads=config.cpu_threads,
+        gpu_fraction=config.gpu_fraction,
     )
 
 
@@ -56,7 +58,10 @@ def make_executor(config: EngineConfig, folder: Path) -> Executor:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, executor: Executor | None = None) -> None:
+    def __init__(self, config: EngineConfig, executor: Executor | None = None,
+                 replica_index: int | None = None) -> None:
+        """``replica_index``: the engine serves that replica of a cluster and keeps its KV
+        events for the cluster's directory (``kv_events``); otherwise they are dropped."""
         self.config = config
         self.model_path = resolve_model(config.model, config.cache_dir)
         hf_config = load_config(self.model_path)
@@ -70,8 +75,12 @@ class LLMEngine:
         self.model_len = config.max_model_len or hf_config.max_position_embeddings
         # a sequence must fit the cache alone, or preempting everyone else would not save it
         self.max_model_len = min(self.model_len, self.kv_capacity)
+        # the model as the user named it isolates caches of different models; the router
+        # hashes prompts with the same keys (kv_hash_keys) to find them in the directory
+        self.kv_hash_keys = (config.block_size, (config.model,))
         kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
-                            extra_keys=(str(self.model_path),))
+                            extra_keys=self.kv_hash_keys[1])
+        self.kv_events = None if replica_index is None else KVEventPublisher(kv, replica_index)
         self.scheduler = Scheduler(SchedulerConfig(
             self.max_model_len, config.max_num_batched_tokens, config.max_num_seqs,
             config.max_prefill_chunk, decode_steps=config.resolved_decode_steps,
@@ -168,6 +177,8 @@ class LLMEngine:
         return deltas
 
     def _advance(self) -> list[RequestTracker]:
+        if self.kv_events is None:
+            self.scheduler.kv.take_events()  # nobody reads them: don't let them pile up
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty and not scheduled.released_ids:
             return []

@@ -21,7 +21,8 @@ class RayExecutor:
         on_gpu = config.device.startswith("cuda")
         if on_gpu:  # each actor runs on its own GPU, the current CUDA device it picks
             config = WorkerConfig(**{**config.__dict__, "device": "cuda"})
-        bundle = {"GPU": 1, "CPU": 1} if on_gpu else {"CPU": 1}
+        gpus = config.gpu_fraction if on_gpu else 0
+        bundle = {"GPU": gpus, "CPU": 1} if on_gpu else {"CPU": 1}
         # STRICT_PACK: every shard of one replica on one node, where NVLink joins the GPUs
         self.placement_group: PlacementGroup = placement_group(
             [bundle] * tensor_parallel_size, strategy="STRICT_PACK"
@@ -29,7 +30,7 @@ class RayExecutor:
         ray.get(self.placement_group.ready(), timeout=600)
         self.actors = [
             ray.remote(ShardActor).options(
-                num_cpus=1, num_gpus=1 if on_gpu else 0, **SHARD_ACTOR_OPTIONS,
+                num_cpus=1, num_gpus=gpus, **SHARD_ACTOR_OPTIONS,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     self.placement_group, placement_group_bundle_index=rank
                 ),

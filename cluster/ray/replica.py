@@ -8,9 +8,12 @@ this actor's CPU whatever it carries (tools/profile/ray_streams.py), in the proc
 steps the engine: one per request per step added up to a good part of a core.
 
 Adds and aborts are applied between steps, by the loop, so the engine is only ever touched by
-one thread at a time while a step runs in a worker thread. If a shard dies, every in-flight
-request fails with a clear error and the replica rebuilds its engine (new shard actors, new
-process group).
+one thread at a time while a step runs in a worker thread. After each step the blocks that
+entered or left the prefix cache go to the router as one numbered batch (not awaited), which
+keeps the cluster's KV directory; a router that missed one asks for ``dump_cache``.
+
+If a shard dies, every in-flight request fails with a clear error and the replica rebuilds its
+engine (new shard actors, new process group, a new KV epoch: the router forgets its blocks).
 """
 
 import asyncio
@@ -23,6 +26,7 @@ from cluster.engine.llm_engine import LLMEngine
 from cluster.engine.metrics import MetricsSnapshot
 from cluster.engine.outputs import EngineStats, RequestDelta
 from cluster.ray.ray_executor import ShardFailure
+from kvstore.directory import CacheDump
 from router.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -36,23 +40,38 @@ class ReplicaFailure(RuntimeError):
 
 
 class ReplicaActor:
-    def __init__(self, config: EngineConfig, replica_id: int = 0) -> None:
+    def __init__(self, config: EngineConfig, replica_id: int = 0, router: object = None) -> None:
         # shards always run as actors, so a dead shard is seen and the replica survives it
         self.config = replace(config, distributed_executor_backend="ray")
         self.replica_id = replica_id
-        self.engine: LLMEngine | None = LLMEngine(self.config)
+        self.router = router  # the RouterActor's handle, or None
+        self.engine: LLMEngine | None = self._new_engine()
         self.dead_reason: str | None = None
         self.ready = asyncio.Event()  # cleared while the engine is being rebuilt
         self.ready.set()
         self.consumers: dict[str, asyncio.Queue[tuple[str, RequestDelta | Exception]]] = {}
         self.owners: dict[str, str] = {}  # request id -> the consumer its deltas go to
-        self.pending: list[tuple[str, Callable[[], object]]] = []
+        self.pending: list[tuple[str, Callable[[], object],
+                                 Callable[[Exception], object] | None]] = []
         self.wakeup: asyncio.Event | None = None
         self.loop_task: asyncio.Task[None] | None = None
+        self._tell_router("replica_up", replica_id)  # after a restart, too
+
+    def set_router(self, router: object) -> None:
+        """Sends the next KV event batches to another router (one that was restarted)."""
+        self.router = router
+
+    def _new_engine(self) -> LLMEngine:
+        return LLMEngine(self.config, replica_index=self.replica_id)
+
+    def _tell_router(self, method: str, *args: object) -> None:
+        if self.router is not None:
+            getattr(self.router, method).remote(*args)  # not awaited: the loop goes on
 
     def info(self) -> dict[str, object]:
         engine = self._engine()
-        return {"model_path": str(engine.model_path), "max_model_len": engine.max_model_len}
+        return {"model_path": str(engine.model_path), "max_model_len": engine.max_model_len,
+                "kv_hash_keys": engine.kv_hash_keys}
 
     async def subscribe(
         self, consumer_id: str
@@ -101,8 +120,11 @@ class ReplicaActor:
         if queue is not None:
             queue.put_nowait((request_id, item))
 
-    def _submit(self, request_id: str, operation: Callable[[], object]) -> None:
-        self.pending.append((request_id, operation))
+    def _submit(self, request_id: str, operation: Callable[[], object],
+                on_error: Callable[[Exception], object] | None = None) -> None:
+        """Runs ``operation`` between steps; an error goes to ``on_error``, else to the
+        request's caller."""
+        self.pending.append((request_id, operation, on_error))
         if self.loop_task is None:
             self.wakeup = asyncio.Event()
             self.loop_task = asyncio.get_running_loop().create_task(self._step_loop())
@@ -129,18 +151,51 @@ class ReplicaActor:
                 continue
             for output in outputs:
                 self._deliver(output.request_id, output)
+            self._publish_kv_events()
+
+    def _publish_kv_events(self) -> None:
+        publisher = self.engine.kv_events if self.engine is not None else None
+        batch = publisher.take_batch() if publisher is not None else None
+        if batch is not None and self.router is not None:
+            answer = self.router.report_events.remote(batch)  # type: ignore[attr-defined]
+            asyncio.get_running_loop().create_task(self._resync_if_asked(answer))
+
+    async def _resync_if_asked(self, answer: object) -> None:
+        """The router found a gap in our batches (it restarted, or one was lost): send it our
+        cache dump, again while it still finds one."""
+        try:
+            while await answer:  # type: ignore[misc]
+                answer = self.router.resync.remote(await self.dump_cache())  # type: ignore[attr-defined]
+        except Exception as error:  # a router restarting: its next answer asks again
+            log.warning("replica %d could not resync the router: %r", self.replica_id, error)
+
+    async def dump_cache(self) -> CacheDump:
+        """Every block hash the engine's prefix cache holds, taken between steps."""
+        done: asyncio.Future[CacheDump] = asyncio.get_running_loop().create_future()
+
+        def take() -> None:
+            publisher = self._engine().kv_events
+            assert publisher is not None
+            done.set_result(publisher.dump())
+
+        self._submit("", take, on_error=done.set_exception)
+        return await done
 
     def _apply_pending(self) -> None:
         pending, self.pending = self.pending, []
-        for request_id, operation in pending:
+        for request_id, operation, on_error in pending:
             try:
                 operation()
             except Exception as error:  # the request's caller learns why
-                self._deliver(request_id, error)
+                if on_error is not None:
+                    on_error(error)
+                else:
+                    self._deliver(request_id, error)
 
     async def _recover(self, what: str) -> None:
         message = f"replica {self.replica_id} {what}"
         log.error(message)
+        self._tell_router("replica_down", self.replica_id)
         for request_id in list(self.owners):
             self._deliver(request_id, ReplicaFailure(message))
         old, self.engine = self.engine, None
@@ -149,8 +204,9 @@ class ReplicaActor:
         if old is not None:
             await asyncio.to_thread(old.shutdown)
         try:
-            self.engine = await asyncio.to_thread(LLMEngine, self.config)
+            self.engine = await asyncio.to_thread(self._new_engine)
             self.dead_reason = None
+            self._tell_router("replica_up", self.replica_id)
         except Exception as rebuild_error:
             self.dead_reason = f"replica {self.replica_id} could not rebuild: {rebuild_error}"
             log.error(self.dead_reason)

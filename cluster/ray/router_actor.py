@@ -1,30 +1,52 @@
-"""The cluster's router: one actor that tracks replica load and applies the placement policy."""
+"""The cluster's router: one async actor over a ``ReplicaRouter`` (router/replica_router.py).
+
+Replicas push their KV event batches here after each step, without waiting; the answer to a
+batch says whether the directory needs that replica's cache dump (after a gap), which the
+replica then sends. The router never calls a replica.
+"""
 
 from collections.abc import Sequence
 
-from router.placement import LeastLoaded, PlacementPolicy
+from kvstore.block_hash import BlockHash
+from kvstore.directory import CacheDump, EventBatch
+from router.replica_router import ReplicaRouter, RouterStats
 
-# The router keeps only in-flight counts, which rebuild themselves as requests come and go,
-# so Ray may restart it freely.
+# A restarted router starts with an empty directory and no loads: both rebuild themselves (the
+# replicas' next batches show it gaps, so each sends its dump), so Ray may restart it freely.
 ROUTER_ACTOR_OPTIONS = {"max_restarts": -1, "num_cpus": 0}
 
 
 class RouterActor:
-    def __init__(self, num_replicas: int, policy: PlacementPolicy | None = None) -> None:
-        self.policy = policy or LeastLoaded()
-        self.loads = [0] * num_replicas
-        self.placed: dict[str, int] = {}
+    def __init__(self, num_replicas: int, policy: str = "prefix-affinity") -> None:
+        self.router = ReplicaRouter(num_replicas, policy)
 
-    def assign(self, request_id: str, token_ids: Sequence[int]) -> int:
-        replica = self.policy.choose(self.loads, token_ids)
-        self.loads[replica] += 1
-        self.placed[request_id] = replica
-        return replica
+    async def assign(self, request_id: str, block_hashes: Sequence[BlockHash],
+                     num_prompt_tokens: int, block_size: int) -> int:
+        return self.router.assign(request_id, block_hashes, num_prompt_tokens,
+                                  block_size).replica
 
-    def release(self, request_id: str) -> None:
-        replica = self.placed.pop(request_id, None)
-        if replica is not None:
-            self.loads[replica] -= 1
+    async def first_token(self, request_id: str) -> None:
+        self.router.first_token(request_id)
 
-    def get_loads(self) -> list[int]:
-        return list(self.loads)
+    async def release(self, request_id: str) -> None:
+        self.router.release(request_id)
+
+    async def report_events(self, batch: EventBatch) -> bool:
+        """True when the directory needs the replica's cache dump (it then sends ``resync``)."""
+        return self.router.report(batch)
+
+    async def resync(self, dump: CacheDump) -> bool:
+        """True when the batches that came meanwhile still leave a gap: send another dump."""
+        return self.router.resync(dump)
+
+    async def replica_down(self, replica: int) -> None:
+        self.router.replica_down(replica)
+
+    async def replica_up(self, replica: int) -> None:
+        self.router.replica_up(replica)
+
+    async def stats(self) -> RouterStats:
+        return self.router.stats()
+
+    async def get_loads(self) -> list[int]:
+        return [load.num_requests for load in self.router.loads()]

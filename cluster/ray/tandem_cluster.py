@@ -5,8 +5,10 @@
         print(output.text)
 
 Each replica is a ``ReplicaActor`` with its own tensor-parallel shard actors; the
-``RouterActor`` picks the replica for each request. Stopping the iteration early (a client
-that disconnected) aborts the request on its replica, which frees its KV blocks at once.
+``RouterActor`` picks the replica for each request from the prompt's block hashes (computed
+here, with the engines' block size and extra keys) and the replicas' loads. Stopping the
+iteration early (a client that disconnected) aborts the request on its replica, which frees its
+KV blocks at once.
 """
 
 from collections.abc import AsyncIterator, Sequence
@@ -21,7 +23,9 @@ from cluster.engine.outputs import EngineStats, OutputAccumulator, RequestOutput
 from cluster.ray.replica import REPLICA_ACTOR_OPTIONS, ReplicaActor
 from cluster.ray.replica_streams import ReplicaStream
 from cluster.ray.router_actor import ROUTER_ACTOR_OPTIONS, RouterActor
-from router.placement import PlacementPolicy
+from kvstore.block_hash import ExtraKeys, hash_full_blocks
+from router.placement import POLICIES
+from router.replica_router import RouterStats
 from router.sampling_params import SamplingParams
 from workers.catalog import resolve_model
 
@@ -35,35 +39,41 @@ class ClusterHandles:
     router: object
     model_path: str
     max_model_len: int
+    kv_hash_keys: tuple[int, ExtraKeys]  # the engines' block size and extra keys
 
 
 class TandemCluster:
     owns_actors = True  # False for a view attached to another process's cluster
 
     def __init__(self, config: EngineConfig, num_replicas: int = 1,
-                 policy: PlacementPolicy | None = None) -> None:
+                 routing: str = "prefix-affinity") -> None:
         if num_replicas < 1:
             raise ValueError(f"num_replicas must be at least 1, got {num_replicas}")
+        if routing not in POLICIES:
+            raise ValueError(f"unknown routing policy {routing!r} (choose from "
+                             f"{', '.join(POLICIES)})")
         if not ray.is_initialized():
             ray.init()
         # pull once here, not in every replica at the same time
         resolve_model(config.model, config.cache_dir)
         self.config = config
         self._streams: dict[int, ReplicaStream] = {}  # by replica index
+        self.router = ray.remote(RouterActor).options(**ROUTER_ACTOR_OPTIONS).remote(
+            num_replicas, routing
+        )
         self.replicas = [
-            ray.remote(ReplicaActor).options(**REPLICA_ACTOR_OPTIONS).remote(config, index)
+            ray.remote(ReplicaActor).options(**REPLICA_ACTOR_OPTIONS).remote(
+                config, index, self.router)
             for index in range(num_replicas)
         ]
         infos = ray.get([replica.info.remote() for replica in self.replicas])
         self.model_path = resolve_model(str(infos[0]["model_path"]), config.cache_dir)
         self.max_model_len = min(int(info["max_model_len"]) for info in infos)  # type: ignore[call-overload]
-        self.router = ray.remote(RouterActor).options(**ROUTER_ACTOR_OPTIONS).remote(
-            num_replicas, policy
-        )
+        self.kv_hash_keys = infos[0]["kv_hash_keys"]
 
     def handles(self) -> ClusterHandles:
         return ClusterHandles(list(self.replicas), self.router, str(self.model_path),
-                              self.max_model_len)
+                              self.max_model_len, self.kv_hash_keys)
 
     @classmethod
     def attach(cls, handles: ClusterHandles) -> "TandemCluster":
@@ -72,6 +82,7 @@ class TandemCluster:
         view = cls.__new__(cls)
         view.replicas, view.router = list(handles.replicas), handles.router
         view.model_path, view.max_model_len = Path(handles.model_path), handles.max_model_len
+        view.kv_hash_keys = handles.kv_hash_keys
         view.owns_actors = False
         view._streams = {}
         return view
@@ -79,10 +90,13 @@ class TandemCluster:
     async def generate(
         self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str
     ) -> AsyncIterator[RequestOutput]:
-        index = await self.router.assign.remote(request_id, list(prompt_ids))
+        block_size, extra_keys = self.kv_hash_keys
+        salt = (params.cache_salt,) if params.cache_salt else ()
+        hashes = hash_full_blocks(prompt_ids, block_size, tuple(extra_keys) + salt)
+        index = await self.router.assign.remote(request_id, hashes, len(prompt_ids), block_size)
         replica, stream = self.replicas[index], self._stream(index)
         queue = stream.open(request_id)
-        finished = False
+        finished = started = False
         accumulator = OutputAccumulator()
         try:
             await replica.submit.remote(request_id, list(prompt_ids), params, stream.consumer_id)
@@ -97,7 +111,13 @@ class TandemCluster:
                         raise item
                     output = accumulator.add(item)
                 finished = output.finished
+                if not started and output.metrics.first_token_time is not None:
+                    started = True  # its prefill is done: the router stops counting it
+                    self.router.first_token.remote(request_id)
                 yield output
+        except (ray.exceptions.ActorDiedError, ray.exceptions.ActorUnavailableError):
+            self.router.replica_down.remote(index)  # its restart reports it up again
+            raise
         finally:
             stream.close(request_id)
             try:
@@ -127,6 +147,9 @@ class TandemCluster:
 
     async def metrics(self) -> list[MetricsSnapshot]:
         return await self._on_all("metrics")
+
+    async def router_stats(self) -> RouterStats:
+        return await self.router.stats.remote()
 
     async def _on_all(self, method: str, *args: object) -> list:
         return [await getattr(replica, method).remote(*args) for replica in self.replicas]

@@ -72,8 +72,8 @@ def build_app(service: OpenAIService, config: ServeConfig) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        snapshots = await cluster.metrics()
-        body = render(make_registry(service.model_name, lambda: snapshots))
+        snapshots, router = await cluster.metrics(), await cluster.router_stats()
+        body = render(make_registry(service.model_name, lambda: snapshots, lambda: router))
         return Response(body, media_type=CONTENT_TYPE_LATEST)
 
     add_error_handlers(app)
@@ -116,7 +116,8 @@ def add_error_handlers(app: FastAPI) -> None:
 def start_cluster(config: ServeConfig) -> "TandemCluster":
     from cluster.ray.tandem_cluster import TandemCluster
 
-    return TandemCluster(config.engine_config(), num_replicas=config.num_replicas)
+    return TandemCluster(config.engine_config(), num_replicas=config.num_replicas,
+                         routing=config.routing)
 
 
 @serve.deployment(name="tandem-engines", num_replicas=1, ray_actor_options={"num_cpus": 0})

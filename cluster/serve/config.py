@@ -53,6 +53,9 @@ class ServeConfig(BaseModel):
                                    "serving: arrivals drop most lookaheads, and W3 measured "
                                    "lower HTTP throughput with it.")
     seed: int = Field(0, description="Seed of the engines' random state.")
+    routing: Literal["prefix-affinity", "least-loaded", "round-robin"] = Field(
+        "prefix-affinity", description="How a request finds its replica: where its prefix is "
+        "cached (with a load guard), the fewest requests in flight, or in turn.")
 
     @property
     def model_name(self) -> str:

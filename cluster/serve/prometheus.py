@@ -1,7 +1,9 @@
-"""Prometheus metrics gathered from every replica at scrape time, named like vLLM's.
+"""Prometheus metrics gathered from every replica and the router at scrape time, named like
+vLLM's.
 
-The collector holds no numbers: each scrape asks the replicas for their ``MetricsSnapshot``
-and labels every sample with ``model_name`` and ``replica``. It lives in a registry of its
+The collectors hold no numbers: each scrape asks the replicas for their ``MetricsSnapshot`` and
+the router for its ``RouterStats``, and labels every sample with ``model_name`` (and
+``replica`` where it is one replica's). It lives in a registry of its
 own, so two servers in one process never share metrics.
 """
 
@@ -17,6 +19,8 @@ from prometheus_client.metrics_core import (
 from prometheus_client.registry import Collector
 
 from cluster.engine.metrics import Histogram, MetricsSnapshot
+from router.placement import REASONS
+from router.replica_router import RouterStats
 
 PREFIX = "tandem:"
 LABELS = ["model_name", "replica"]
@@ -45,11 +49,23 @@ GAUGES = {
     "kv_cache_blocks_used": ("kv_blocks_used", "KV cache blocks in use."),
     "kv_cache_blocks_total": ("kv_blocks_total", "KV cache blocks in all."),
 }
+ROUTER_METRICS = {  # name -> help; the router's, from its RouterStats
+    "router_decisions_total": "Requests routed, by reason: affinity (a cached prefix), no_match, "
+    "load_guard (the cheapest replica had too many more in flight), least_loaded, round_robin.",
+    "kv_directory_blocks": "Distinct KV block hashes the router's directory knows a replica "
+    "holds.",
+    "kv_directory_replica_blocks": "KV blocks the directory lists for each replica.",
+    "kv_directory_resyncs_total": "Times a gap in a replica's KV events made the router fetch "
+    "its cache dump.",
+    "kv_event_lag_seconds": "The last KV event batch: from its engine step's end to the router.",
+    "router_requests_in_flight": "Requests the router placed on each replica, not finished.",
+}
 # every name /metrics exposes (counters with their _total suffix), for docs and tests
 METRIC_NAMES = (
     [PREFIX + name for name in HISTOGRAMS]
     + [PREFIX + name + "_total" for name in [*COUNTERS, "request_success"]]
-    + [PREFIX + name for name in [*GAUGES, "kv_cache_usage_perc"]]
+    + [PREFIX + name for name in [*GAUGES, "kv_cache_usage_perc", "prefix_cache_hit_rate"]]
+    + [PREFIX + name for name in ROUTER_METRICS]
 )
 
 
@@ -97,6 +113,12 @@ class ReplicaCollector(Collector):
         for label, (_, snap) in zip(labels, snapshots, strict=True):
             usage.add_metric(label, snap.kv_blocks_used / max(snap.kv_blocks_total, 1))
         yield usage
+        hit_rate = GaugeMetricFamily(PREFIX + "prefix_cache_hit_rate", "Prompt tokens found in "
+                                     "the prefix cache / looked up, since the engine started.",
+                                     labels=LABELS)
+        for label, (_, snap) in zip(labels, snapshots, strict=True):
+            hit_rate.add_metric(label, snap.prefix_cache_hits / max(snap.prefix_cache_queries, 1))
+        yield hit_rate
 
     def _success(self, labels: list[list[str]], snaps: list[MetricsSnapshot]) -> Metric:
         family = CounterMetricFamily(PREFIX + "request_success", "Finished requests by reason.",
@@ -107,10 +129,48 @@ class ReplicaCollector(Collector):
         return family
 
 
-def make_registry(model_name: str,
-                  fetch: Callable[[], Sequence[MetricsSnapshot]]) -> CollectorRegistry:
+class RouterCollector(Collector):
+    def __init__(self, model_name: str, fetch: Callable[[], RouterStats]) -> None:
+        self.model_name = model_name
+        self.fetch = fetch
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        stats, model, docs = self.fetch(), [self.model_name], ROUTER_METRICS
+        decisions = CounterMetricFamily(PREFIX + "router_decisions", docs[
+            "router_decisions_total"], labels=["model_name", "reason"])
+        for reason in REASONS:
+            decisions.add_metric([*model, reason], stats.decisions.get(reason, 0))
+        yield decisions
+        blocks = GaugeMetricFamily(PREFIX + "kv_directory_blocks", docs["kv_directory_blocks"],
+                                   labels=["model_name"])
+        blocks.add_metric(model, stats.directory_blocks)
+        yield blocks
+        resyncs = CounterMetricFamily(PREFIX + "kv_directory_resyncs",
+                                      docs["kv_directory_resyncs_total"], labels=["model_name"])
+        resyncs.add_metric(model, stats.resyncs)
+        yield resyncs
+        lag = GaugeMetricFamily(PREFIX + "kv_event_lag_seconds", docs["kv_event_lag_seconds"],
+                                labels=["model_name"])
+        lag.add_metric(model, stats.event_lag_s if stats.event_lag_s is not None else 0.0)
+        yield lag
+        for name, values in (("kv_directory_replica_blocks", stats.blocks_held),
+                             ("router_requests_in_flight",
+                              [load.num_requests for load in stats.loads])):
+            family = GaugeMetricFamily(PREFIX + name, docs[name], labels=LABELS)
+            for replica, value in enumerate(values):
+                family.add_metric([self.model_name, str(replica)], value)
+            yield family
+
+
+def make_registry(model_name: str, fetch: Callable[[], Sequence[MetricsSnapshot]],
+                  fetch_router: Callable[[], RouterStats] | None = None) -> CollectorRegistry:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(ReplicaCollector(model_name, fetch))
+    if fetch_router is not None:
+        registry.register(RouterCollector(model_name, fetch_router))
     return registry
 
 

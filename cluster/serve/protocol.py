@@ -41,6 +41,9 @@ class SamplingFields(BaseModel):
     stream: bool = Field(False, description="Send tokens as server-sent events.")
     stream_options: StreamOptions | None = Field(None, description="Streaming options.")
     user: str | None = Field(None, description="An end-user id (recorded, not used).")
+    cache_salt: str | None = Field(None, min_length=1, description="Requests share cached "
+                                   "prefixes only with requests of the same salt (one tenant's "
+                                   "prefixes are not another's).")
 
     @property
     def include_usage(self) -> bool:
@@ -54,7 +57,7 @@ class SamplingFields(BaseModel):
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             seed=self.seed, stop=stop_strings(self.stop),
             stop_token_ids=tuple(self.stop_token_ids or ()),
-            ignore_eos=self.ignore_eos, logprobs=logprobs,
+            ignore_eos=self.ignore_eos, logprobs=logprobs, cache_salt=self.cache_salt,
         )
 
 

@@ -55,7 +55,8 @@ async def stream(cluster, prompt, request_id, params=GREEDY):
 def test_two_replicas_serve_concurrent_streams(ray_session, tiny_models):
     folder = tiny_models["llama"]
     cluster = TandemCluster(EngineConfig(model=str(folder), device="cpu", block_size=4,
-                                         num_kv_blocks=64), num_replicas=2)
+                                         num_kv_blocks=64), num_replicas=2,
+                            routing="least-loaded")
     try:
         prompts = PROMPTS * 4
 
@@ -174,8 +175,11 @@ class BurstReplica:
 
 
 class OneReplicaRouter:
-    async def assign(self, request_id, prompt_ids):
+    async def assign(self, request_id, block_hashes, num_prompt_tokens, block_size):
         return 0
+
+    async def first_token(self, request_id):
+        return None
 
     async def release(self, request_id):
         return None
@@ -187,7 +191,7 @@ def test_a_consumer_that_falls_behind_gets_the_backlog_as_one_output(ray_session
     from cluster.ray.tandem_cluster import ClusterHandles
 
     handles = ClusterHandles([ray.remote(BurstReplica).remote()],
-                             ray.remote(OneReplicaRouter).remote(), "unused", 64)
+                             ray.remote(OneReplicaRouter).remote(), "unused", 64, (16, ("m",)))
     cluster = TandemCluster.attach(handles)
 
     async def consume_slowly():

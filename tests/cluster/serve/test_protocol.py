@@ -14,6 +14,8 @@ from cluster.serve.app import build_app
 from cluster.serve.config import ServeConfig, load_config
 from cluster.serve.openai_service import OpenAIService
 from cluster.serve.prometheus import METRIC_NAMES, histogram_buckets
+from router.placement import ReplicaLoad
+from router.replica_router import RouterStats
 
 TEXTS = ["He", "Hell", "Hello", "Hello w", "Hello world"]  # what the engine has released
 
@@ -59,6 +61,11 @@ class FakeCluster:
                                 prefix_cache_queries=5, prefix_cache_hits=0, num_running=r,
                                 num_waiting=0, batch_size=r, kv_blocks_used=r, kv_blocks_total=8)
                 for r in range(2)]
+
+    async def router_stats(self):
+        return RouterStats({"affinity": 3, "no_match": 1}, directory_blocks=12, event_lag_s=0.002,
+                           loads=[ReplicaLoad(num_requests=2), ReplicaLoad()], resyncs=1,
+                           blocks_held=[12, 4])
 
 
 def make_client(cluster: FakeCluster, **config) -> httpx.AsyncClient:
@@ -166,6 +173,13 @@ def test_metrics_label_every_replica():
     assert {s.labels["replica"]: s.value for s in running} == {"0": 0.0, "1": 1.0}
     usage = [s.value for s in families["tandem:kv_cache_usage_perc"].samples]
     assert usage == [0.0, 0.125]
+    decisions = {s.labels["reason"]: s.value for s in families["tandem:router_decisions"].samples
+                 if s.name.endswith("_total")}
+    assert decisions == {"affinity": 3.0, "no_match": 1.0, "load_guard": 0.0,
+                         "least_loaded": 0.0, "round_robin": 0.0}
+    in_flight = families["tandem:router_requests_in_flight"].samples
+    assert {s.labels["replica"]: s.value for s in in_flight} == {"0": 2.0, "1": 0.0}
+    assert [s.value for s in families["tandem:kv_directory_blocks"].samples] == [12.0]
 
 
 def test_histogram_buckets_are_cumulative():

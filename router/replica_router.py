@@ -1,0 +1,100 @@
+"""The cluster's routing state, as plain data: the KV directory, every replica's load, the policy.
+
+The router actor (cluster/ray/router_actor.py) wraps one ``ReplicaRouter`` and carries out what
+it asks for (a replica's cache dump after a gap in its events); everything decided is here.
+"""
+
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from kvstore.block_hash import BlockHash
+from kvstore.directory import CacheDump, EventBatch, KVDirectory
+from router.placement import Decision, ReplicaLoad, RoutingRequest, make_policy
+
+
+@dataclass
+class Placed:
+    replica: int
+    prefill_tokens: int  # prompt tokens not expected cached there
+    prefilling: bool = True  # no first token yet
+
+
+@dataclass(frozen=True)
+class RouterStats:
+    decisions: dict[str, int]  # by reason
+    directory_blocks: int
+    event_lag_s: float | None  # the last batch: its step's end to its arrival here
+    loads: list[ReplicaLoad]
+    resyncs: int
+    blocks_held: list[int] = field(default_factory=list)  # per replica
+
+
+class ReplicaRouter:
+    def __init__(self, num_replicas: int, policy: str = "prefix-affinity",
+                 clock: Callable[[], float] = time.time) -> None:
+        self.directory = KVDirectory(num_replicas)
+        self.policy = make_policy(policy, self.directory)
+        self.alive = [True] * num_replicas
+        self.placed: dict[str, Placed] = {}
+        self.decisions: Counter[str] = Counter()
+        self.event_lag_s: float | None = None
+        self.resyncs = 0
+        self.clock = clock
+
+    @property
+    def num_replicas(self) -> int:
+        return len(self.alive)
+
+    def loads(self) -> list[ReplicaLoad]:
+        requests, prefilling, tokens = ([0] * self.num_replicas for _ in range(3))
+        for placed in self.placed.values():
+            requests[placed.replica] += 1
+            if placed.prefilling:
+                prefilling[placed.replica] += 1
+                tokens[placed.replica] += placed.prefill_tokens
+        return [ReplicaLoad(alive, r, p, t) for alive, r, p, t
+                in zip(self.alive, requests, prefilling, tokens, strict=True)]
+
+    def assign(self, request_id: str, block_hashes: Sequence[BlockHash],
+               num_prompt_tokens: int, block_size: int) -> Decision:
+        if request_id in self.placed:
+            raise ValueError(f"request id '{request_id}' is already placed")
+        request = RoutingRequest(block_hashes, num_prompt_tokens, block_size)
+        decision = self.policy.choose(self.loads(), request)
+        self.placed[request_id] = Placed(decision.replica,
+                                         num_prompt_tokens - decision.cached_tokens)
+        self.decisions[decision.reason] += 1
+        return decision
+
+    def first_token(self, request_id: str) -> None:
+        placed = self.placed.get(request_id)
+        if placed is not None:
+            placed.prefilling = False
+
+    def release(self, request_id: str) -> None:
+        self.placed.pop(request_id, None)
+
+    def report(self, batch: EventBatch) -> bool:
+        """Applies a replica's batch; True when its dump is needed (pass it to ``resync``)."""
+        self.event_lag_s = max(0.0, self.clock() - batch.created_at)
+        needs_dump = self.directory.apply(batch)
+        self.resyncs += needs_dump
+        return needs_dump
+
+    def resync(self, dump: CacheDump) -> bool:
+        return self.directory.resync(dump)
+
+    def replica_down(self, replica: int) -> None:
+        """The replica lost its engine: nothing is routed there, and it holds nothing."""
+        self.alive[replica] = False
+        self.directory.remove_replica(replica)
+
+    def replica_up(self, replica: int) -> None:
+        self.alive[replica] = True
+
+    def stats(self) -> RouterStats:
+        return RouterStats(dict(self.decisions), self.directory.num_blocks, self.event_lag_s,
+                           self.loads(), self.resyncs,
+                           [len(view.hashes) for view in self.directory.replicas])
