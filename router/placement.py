@@ -102,8 +102,7 @@ class PrefixAffinity:
     def choose(self, loads: Sequence[ReplicaLoad], request: RoutingRequest) -> Decision:
         live = candidates(loads)
         self._expire()
-        stored = self.directory.longest_prefixes(request.block_hashes, live)
-        matched = self._longest_prefixes(request.block_hashes, live)
+        stored, matched = self._longest_prefixes(request.block_hashes, live)
         most_cached = max(request.num_prompt_tokens - 1, 0)
 
         def cached(index: int) -> int:
@@ -125,25 +124,48 @@ class PrefixAffinity:
             decision = Decision(least, "load_guard", cached(least))
         else:
             decision = Decision(best, "affinity" if cached(best) else "no_match", cached(best))
-        self._add_pending(request.block_hashes, decision.replica)
+        self._add_pending(request.block_hashes, decision.replica, stored[decision.replica])
         return decision
 
-    def _longest_prefixes(self, hashes: Sequence[BlockHash], live: list[int]) -> dict[int, int]:
-        """Leading blocks each replica holds, counting pending hashes as held."""
-        matched = dict.fromkeys(live, 0)
-        remaining = set(live)
-        for depth, block_hash in enumerate(hashes):
-            remaining &= self.directory.holders.get(block_hash, set()) | self.pending.get(
-                block_hash, {}).keys()
-            if not remaining:
-                break
-            for index in remaining:
-                matched[index] = depth + 1
-        return matched
+    def _longest_prefixes(self, hashes: Sequence[BlockHash],
+                          live: list[int]) -> tuple[dict[int, int], dict[int, int]]:
+        """Leading blocks each replica holds: stored (the directory's), and matched (counting
+        pending hashes as held too), in one pass that stops where no replica matches."""
+        stored, matched = dict.fromkeys(live, 0), dict.fromkeys(live, 0)
+        in_store, in_any = set(live), set(live)
+        holders_of, pending_of = self.directory.holders, self.pending
+        empty: frozenset[int] = frozenset()
+        depth = 0
+        while depth < len(hashes) and len(in_any) > 1:
+            holders = holders_of.get(hashes[depth], empty)
+            pending = pending_of.get(hashes[depth], empty)
+            depth += 1
+            in_store = {index for index in in_store if index in holders}
+            in_any = {index for index in in_any if index in holders or index in pending}
+            for index in in_any:
+                matched[index] = depth
+                if index in in_store:
+                    stored[index] = depth
+        if len(in_any) == 1:  # the usual case past the first blocks: one replica holds it
+            (index,) = in_any
+            storing = index in in_store
+            for block_hash in hashes[depth:]:
+                holders = holders_of.get(block_hash, empty)
+                storing = storing and index in holders
+                if not storing and index not in holders and index not in pending_of.get(
+                        block_hash, empty):
+                    break
+                depth += 1
+                matched[index] = depth
+                if storing:
+                    stored[index] = depth
+        return stored, matched
 
-    def _add_pending(self, hashes: Sequence[BlockHash], replica: int) -> None:
+    def _add_pending(self, hashes: Sequence[BlockHash], replica: int, stored: int) -> None:
+        """The blocks past what the directory already lists there count as held there for
+        ``pending_seconds``: the request is computing them."""
         expiry = self.clock() + self.pending_seconds
-        for block_hash in hashes:
+        for block_hash in hashes[stored:]:
             self.pending.setdefault(block_hash, {})[replica] = expiry
             self._expiries.append((expiry, block_hash, replica))
 

@@ -38,6 +38,10 @@ class ReplicaRouter:
         self.policy = make_policy(policy, self.directory)
         self.alive = [True] * num_replicas
         self.placed: dict[str, Placed] = {}
+        # per replica, kept as requests come and go (a decision must not walk every request)
+        self.num_requests = [0] * num_replicas
+        self.num_prefilling = [0] * num_replicas
+        self.num_prefill_tokens = [0] * num_replicas
         self.decisions: Counter[str] = Counter()
         self.event_lag_s: float | None = None
         self.resyncs = 0
@@ -48,14 +52,9 @@ class ReplicaRouter:
         return len(self.alive)
 
     def loads(self) -> list[ReplicaLoad]:
-        requests, prefilling, tokens = ([0] * self.num_replicas for _ in range(3))
-        for placed in self.placed.values():
-            requests[placed.replica] += 1
-            if placed.prefilling:
-                prefilling[placed.replica] += 1
-                tokens[placed.replica] += placed.prefill_tokens
-        return [ReplicaLoad(alive, r, p, t) for alive, r, p, t
-                in zip(self.alive, requests, prefilling, tokens, strict=True)]
+        return [ReplicaLoad(*load) for load in zip(
+            self.alive, self.num_requests, self.num_prefilling, self.num_prefill_tokens,
+            strict=True)]
 
     def assign(self, request_id: str, block_hashes: Sequence[BlockHash],
                num_prompt_tokens: int, block_size: int) -> Decision:
@@ -63,18 +62,30 @@ class ReplicaRouter:
             raise ValueError(f"request id '{request_id}' is already placed")
         request = RoutingRequest(block_hashes, num_prompt_tokens, block_size)
         decision = self.policy.choose(self.loads(), request)
-        self.placed[request_id] = Placed(decision.replica,
-                                         num_prompt_tokens - decision.cached_tokens)
+        placed = Placed(decision.replica, num_prompt_tokens - decision.cached_tokens)
+        self.placed[request_id] = placed
+        self.num_requests[placed.replica] += 1
+        self.num_prefilling[placed.replica] += 1
+        self.num_prefill_tokens[placed.replica] += placed.prefill_tokens
         self.decisions[decision.reason] += 1
         return decision
 
     def first_token(self, request_id: str) -> None:
         placed = self.placed.get(request_id)
-        if placed is not None:
-            placed.prefilling = False
+        if placed is not None and placed.prefilling:
+            self._prefilled(placed)
 
     def release(self, request_id: str) -> None:
-        self.placed.pop(request_id, None)
+        placed = self.placed.pop(request_id, None)
+        if placed is not None:
+            if placed.prefilling:
+                self._prefilled(placed)
+            self.num_requests[placed.replica] -= 1
+
+    def _prefilled(self, placed: Placed) -> None:
+        placed.prefilling = False
+        self.num_prefilling[placed.replica] -= 1
+        self.num_prefill_tokens[placed.replica] -= placed.prefill_tokens
 
     def report(self, batch: EventBatch) -> bool:
         """Applies a replica's batch; True when its dump is needed (pass it to ``resync``)."""

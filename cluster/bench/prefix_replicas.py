@@ -2,12 +2,14 @@
 
 Each routing policy gets a fresh ``TandemCluster`` (replicas on their share of the GPUs: with
 one GPU and two replicas, each asks Ray for half of it and takes half of its memory) and the
-same requests, all submitted at once from this process. Prompt tokens computed are set against
-the single-replica ideal (each group's prefix computed once in the whole cluster).
+same requests, submitted at once from this process or as Poisson arrivals at
+``--request-rate`` (seeded: every policy sees the same arrival times). Prompt tokens computed
+are set against the single-replica ideal (each group's prefix computed once in the cluster).
 """
 
 import argparse
 import asyncio
+import random
 import time
 from dataclasses import asdict
 
@@ -29,11 +31,27 @@ def engine_config(args: argparse.Namespace, folder: str, dtype: str, device: str
     )
 
 
-async def run_all(cluster, requests: list[Request], tag: str) -> dict:
-    """Every request at once; per request its TTFT and tokens; the cluster's prefix hits."""
+def arrival_times(count: int, rate: float, seed: int) -> list[float]:
+    """Seconds from the start at which each request is sent: all at 0 when rate is 0."""
+    if rate <= 0:
+        return [0.0] * count
+    rng, now, times = random.Random(seed), 0.0, []
+    for _ in range(count):
+        times.append(now)
+        now += rng.expovariate(rate)
+    return times
+
+
+async def run_all(cluster, requests: list[Request], tag: str, rate: float = 0.0,
+                  seed: int = 0) -> dict:
+    """The requests at their arrival times; per request its TTFT and tokens; the cluster's
+    prefix hits."""
     hits_before = sum(s.prefix_cache_hits for s in await cluster.stats())
+    arrivals = arrival_times(len(requests), rate, seed)
+    start = time.perf_counter()
 
     async def one(index: int, request: Request) -> tuple[float, float, int]:
+        await asyncio.sleep(max(0.0, start + arrivals[index] - time.perf_counter()))
         sent, first, tokens = time.perf_counter(), None, 0
         async for output in cluster.generate(request.prompt_token_ids, greedy(request),
                                              f"{tag}-{index}"):
@@ -43,7 +61,6 @@ async def run_all(cluster, requests: list[Request], tag: str) -> dict:
         assert first is not None
         return first - sent, time.perf_counter() - sent, tokens
 
-    start = time.perf_counter()
     done = await asyncio.gather(*[one(i, r) for i, r in enumerate(requests)])
     seconds = time.perf_counter() - start
     hits = sum(s.prefix_cache_hits for s in await cluster.stats()) - hits_before
@@ -70,7 +87,7 @@ def prefix_replicas(args: argparse.Namespace, config: EngineConfig, requests: li
         cluster = TandemCluster(config, num_replicas=args.replicas, routing=routing)
         try:
             asyncio.run(run_all(cluster, warmup, f"warm-{routing}"))
-            run = asyncio.run(run_all(cluster, requests, routing))
+            run = asyncio.run(run_all(cluster, requests, routing, args.request_rate, args.seed))
             run["router"] = asdict(asyncio.run(cluster.router_stats()))
             results[routing] = run
         finally:
@@ -80,7 +97,8 @@ def prefix_replicas(args: argparse.Namespace, config: EngineConfig, requests: li
              r["seconds"], ", ".join(f"{k} {v}" for k, v in sorted(
                  r["router"]["decisions"].items()))]
             for routing, r in results.items()]
-    table = markdown_table([f"W4, {args.replicas} replicas", "prompt tokens computed",
+    load = f", {args.request_rate:g} req/s" if args.request_rate > 0 else ", all at once"
+    table = markdown_table([f"W4, {args.replicas} replicas{load}", "prompt tokens computed",
                             "/ 1-replica ideal", "TTFT p50 ms", "TTFT p99 ms", "output tok/s",
                             "seconds", "decisions"], rows)
     return results, table
