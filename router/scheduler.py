@@ -29,6 +29,7 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
 from kvstore.kv_cache_manager import KVCacheManager
+from router.prefill_delay import PrefillDelay
 from router.sequence import FinishReason, Sequence, SequenceStatus
 
 
@@ -41,6 +42,9 @@ class SchedulerConfig:
     num_lookahead_tokens: int = 0  # extra slots for speculative tokens after a decode
     decode_steps: int = 1  # decode steps one call may run back to back (see the module doc)
     decode_lookahead: bool = False  # multi-step calls also run the next call's first step
+    # False: a prompt is prefilled in one step or waits (its uncached tokens fit the budget)
+    enable_chunked_prefill: bool = True
+    scheduler_delay_factor: float = 0.0  # router/prefill_delay.py
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:
@@ -82,6 +86,7 @@ class Scheduler:
         self.num_preemptions = 0
         self._known_to_workers: set[str] = set()
         self._released: list[str] = []
+        self.prefill_delay = PrefillDelay(config.scheduler_delay_factor)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -93,7 +98,9 @@ class Scheduler:
         output = SchedulerOutput()
         output.num_steps, output.lookahead = self._num_decode_steps()
         budget = self._schedule_running(output, self.config.max_num_batched_tokens)
-        if not output.preempted_ids:  # memory is short: admit nobody new this step
+        oldest = self.waiting[0].arrival_time if self.waiting else None
+        admits = self.prefill_delay.admits(oldest, bool(self.running))
+        if admits and not output.preempted_ids:  # memory is short: admit nobody new this step
             self._schedule_waiting(output, budget)
         output.released_ids, self._released = self._released, []
         return output
@@ -185,6 +192,8 @@ class Scheduler:
                 index += 1
                 continue
             num_new = self._num_new_tokens(seq, num_cached, budget)
+            if num_new < seq.num_tokens - num_cached and not self.config.enable_chunked_prefill:
+                break  # the whole prompt waits for a step with room for it (first come first)
             lookahead = self._lookahead(seq, num_cached, num_new)
             blocks = self.kv.allocate_slots(
                 seq.request_id, num_cached, num_new, hits, num_lookahead_tokens=lookahead

@@ -14,41 +14,71 @@ from cluster import environment
 from cluster.engine.config import DEFAULT_MODEL
 from cluster.serve.config import ServeConfig, load_config
 
-FLAGS = {  # flag -> (ServeConfig field, type, help)
-    "--model": ("model", str, f"catalog name or HF folder (default: {DEFAULT_MODEL})"),
-    "--served-model-name": ("served_model_name", str, "the name clients send as `model`"),
-    "--tp": ("tensor_parallel_size", int, "tensor-parallel GPUs per replica (default: 1)"),
-    "--replicas": ("num_replicas", int, "engine replicas (default: 1)"),
-    "--ingress-replicas": ("ingress_replicas", int,
-                           "HTTP ingress replicas (default: 0, auto: 4 on a GPU, 1 on the CPU)"),
-    "--host": ("host", str, "bind address (default: 127.0.0.1)"),
-    "--port": ("port", int, "HTTP port (default: 8000)"),
-    "--api-key": ("api_key", str, "require this bearer key on /v1 (default: "
+# ServeConfig field -> (flags, the first is vLLM's where vLLM has one; type; help)
+FLAGS: dict[str, tuple[tuple[str, ...], type, str]] = {
+    "model": (("--model",), str, f"catalog name or HF folder (default: {DEFAULT_MODEL}); "
+              "or give it first, as `tandem serve MODEL`"),
+    "served_model_name": (("--served-model-name",), str, "the name clients send as `model`"),
+    "tensor_parallel_size": (("--tensor-parallel-size", "-tp", "--tp"), int,
+                             "tensor-parallel GPUs per replica (default: 1)"),
+    "num_replicas": (("--replicas",), int, "engine replicas (default: 1)"),
+    "ingress_replicas": (("--ingress-replicas",), int,
+                         "HTTP ingress replicas (default: 0, auto: 4 on a GPU, 1 on the CPU)"),
+    "host": (("--host",), str, "bind address (default: 127.0.0.1)"),
+    "port": (("--port",), int, "HTTP port (default: 8000)"),
+    "api_key": (("--api-key",), str, "require this bearer key on /v1 (default: "
                 f"${environment.API_KEY.name})"),
-    "--max-body-bytes": ("max_body_bytes", int, "larger request bodies get 413 (default 4 MiB)"),
-    "--dtype": ("dtype", str, "auto | float32 | bfloat16 | float16"),
-    "--device": ("device", str, "auto | cpu | cuda"),
-    "--max-model-len": ("max_model_len", int, "context length (default: the model's)"),
-    "--num-kv-blocks": ("num_kv_blocks", int, "KV blocks per replica (default: from memory)"),
-    "--block-size": ("block_size", int, "tokens per KV block (default: 16)"),
-    "--max-num-seqs": ("max_num_seqs", int, "sequences per batch at most (default: 64)"),
-    "--max-num-batched-tokens": ("max_num_batched_tokens", int, "tokens per step at most"),
-    "--decode-steps": ("decode_steps", int, "decode steps per worker call (default: 0, auto)"),
-    "--seed": ("seed", int, "engine seed (default: 0)"),
-    "--routing": ("routing", str, "prefix-affinity (default) | least-loaded | round-robin"),
+    "max_body_bytes": (("--max-body-bytes",), int, "larger request bodies get 413 (4 MiB)"),
+    "dtype": (("--dtype",), str, "auto | float32 | bfloat16 | float16"),
+    "device": (("--device",), str, "auto | cpu | cuda"),
+    "gpu_memory_utilization": (("--gpu-memory-utilization",), float,
+                               "share of the GPU's memory each engine takes (default: 0.9)"),
+    "max_model_len": (("--max-model-len",), int, "context length (default: the model's)"),
+    "num_kv_blocks": (("--num-kv-blocks",), int, "KV blocks per replica (default: from memory)"),
+    "block_size": (("--block-size",), int, "tokens per KV block (default: 16)"),
+    "max_num_seqs": (("--max-num-seqs",), int, "sequences per batch at most (default: 64)"),
+    "max_num_batched_tokens": (("--max-num-batched-tokens",), int,
+                               "tokens per step at most (default: 2048)"),
+    "scheduler_delay_factor": (("--scheduler-delay-factor",), float,
+                               "new prompts wait this many times the last step while others "
+                               "run, so more of them batch (default: 0, off)"),
+    "decode_steps": (("--decode-steps",), int, "decode steps per worker call (default: 0, auto)"),
+    "seed": (("--seed",), int, "engine seed (default: 0)"),
+    "routing": (("--routing",), str, "prefix-affinity (default) | least-loaded | round-robin"),
+}
+SWITCHES = {  # ServeConfig field -> (flag, help): --flag / --no-flag
+    "enable_chunked_prefill": ("--enable-chunked-prefill", "prefill prompts in chunks mixed "
+                               "with decodes (default: on)"),
+    "enable_prefix_caching": ("--enable-prefix-caching", "share the KV blocks of common "
+                              "prefixes (default: on)"),
+    "decode_lookahead": ("--decode-lookahead", "multi-step calls also run the next call's first "
+                         "step (default: off for serving)"),
+}
+# vLLM's flags for what tandem does not have yet: refused with a message, never ignored
+NOT_YET = {
+    "--kv-cache-dtype": "quantized KV caches are not implemented yet (only 'auto')",
+    "--speculative-config": "speculative decoding is not implemented yet",
+    "--speculative-model": "speculative decoding is not implemented yet",
+    "--num-speculative-tokens": "speculative decoding is not implemented yet",
+    "--speculative-draft-tensor-parallel-size": "speculative decoding is not implemented yet",
 }
 
 
 def add_serve_command(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
-    for flag, (field, kind, help_text) in FLAGS.items():
-        parser.add_argument(flag, dest=field, type=kind, help=help_text)
+    parser.add_argument("model_name", nargs="?", metavar="MODEL",
+                        help="catalog name or HF folder (as --model)")
+    for field, (flags, kind, help_text) in FLAGS.items():
+        parser.add_argument(*flags, dest=field, type=kind, help=help_text)
+    for field, (flag, help_text) in SWITCHES.items():
+        parser.add_argument(flag, dest=field, action=argparse.BooleanOptionalAction,
+                            default=None, help=help_text)
     parser.add_argument("--no-prefix-caching", dest="enable_prefix_caching",
-                        action="store_false", default=None, help="turn the prefix cache off")
-    parser.add_argument("--decode-lookahead", dest="decode_lookahead",
-                        action=argparse.BooleanOptionalAction, default=None,
-                        help="multi-step calls also run the next call's first step "
-                        "(default: off for serving)")
+                        action="store_false", default=None,
+                        help="the same as --no-enable-prefix-caching")
+    for flag, reason in NOT_YET.items():
+        parser.add_argument(flag, dest=flag.removeprefix("--").replace("-", "_"),
+                            help=f"not yet: {reason}")
     parser.add_argument("--throughput-optimized", action=argparse.BooleanOptionalAction,
                         default=None, help="Ray Serve's throughput-optimized mode: HTTP reaches "
                         "the ingress replicas without Serve's proxy actor (default: on, or "
@@ -56,11 +86,30 @@ def add_serve_command(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(handler=serve_command)
 
 
+def serve_config(args: argparse.Namespace) -> ServeConfig:
+    """The ServeConfig the flags ask for; ValueError naming each flag that is wrong."""
+    refused = [f"{flag}: {reason}" for flag, reason in NOT_YET.items()
+               if getattr(args, flag.removeprefix("--").replace("-", "_")) not in (None, "auto")
+               or (flag != "--kv-cache-dtype"
+                   and getattr(args, flag.removeprefix("--").replace("-", "_")) is not None)]
+    if refused:
+        raise ValueError("not supported:\n  " + "\n  ".join(refused))
+    if args.model_name and args.model and args.model_name != args.model:
+        raise ValueError(f"two models given: {args.model_name!r} and --model {args.model!r}")
+    values = {f: getattr(args, f) for f in [*FLAGS, *SWITCHES] if getattr(args, f) is not None}
+    if args.model_name:
+        values["model"] = args.model_name
+    return load_config(values, names=flag_names())
+
+
+def flag_names() -> dict[str, str]:
+    """ServeConfig field -> the flag that sets it, as error messages name it."""
+    names = {field: flags[0] for field, (flags, _, _) in FLAGS.items()}
+    return names | {field: flag for field, (flag, _) in SWITCHES.items()}
+
+
 def serve_command(args: argparse.Namespace) -> int:
-    fields = [field for field, _, _ in FLAGS.values()] + ["enable_prefix_caching",
-                                                          "decode_lookahead"]
-    values = {f: getattr(args, f) for f in fields if getattr(args, f) is not None}
-    config = load_config(values, names={field: flag for flag, (field, _, _) in FLAGS.items()})
+    config = serve_config(args)
     check_port_free(config)
     # before Ray starts: the Serve processes it launches inherit the environment (a Ray
     # cluster that is already running keeps the value its own processes started with)

@@ -41,6 +41,12 @@ class EngineConfig:
     max_prefill_chunk: int = option(0, "at most this many prompt tokens of one sequence per "
                                     "step; 0: the whole budget")
     enable_prefix_caching: bool = option(True, "share the KV blocks of common prefixes")
+    enable_chunked_prefill: bool = option(True, "prompts prefilled in chunks mixed with "
+                                          "decodes; False: a prompt in one step or it waits "
+                                          "(sequences then at most `max_num_batched_tokens`)")
+    scheduler_delay_factor: float = option(0.0, "while others run, new prompts wait until the "
+                                           "oldest has waited this many times the last step, "
+                                           "so more of them prefill together (vLLM's)")
     attention_backend: str = option("auto", "`triton` on a GPU, `reference` (plain PyTorch) on "
                                     "the CPU")
     enforce_eager: bool = option(False, "no CUDA graphs for decode steps (used on a GPU with the "
@@ -98,6 +104,15 @@ class EngineConfig:
              f"peer_sum_kernel: the peer-memory sum kernel ({environment.PEER_SUM.name}) must "
              f"be one of {', '.join(PEER_SUM_KERNELS)}, got {self.peer_sum_kernel!r}"),
             (self.cpu_threads >= 1, f"cpu_threads must be at least 1, got {self.cpu_threads}"),
+            (self.scheduler_delay_factor >= 0,
+             f"scheduler_delay_factor must be >= 0, got {self.scheduler_delay_factor}"),
+            (self.enable_chunked_prefill or not self.max_prefill_chunk,
+             "max_prefill_chunk needs enable_chunked_prefill"),
+            (self.enable_chunked_prefill or self.max_model_len is None
+             or self.max_model_len <= self.max_num_batched_tokens,
+             f"with enable_chunked_prefill=False, max_model_len ({self.max_model_len}) must be "
+             f"at most max_num_batched_tokens ({self.max_num_batched_tokens}): a sequence is "
+             "prefilled in one step"),
             (0 < self.gpu_fraction <= 1,
              f"gpu_fraction must be in (0, 1], got {self.gpu_fraction}"),
             (self.gpu_fraction == 1 or self.tensor_parallel_size == 1,

@@ -73,8 +73,12 @@ class LLMEngine:
         self.executor.init_kv_cache(num_blocks)
         self.kv_capacity = num_blocks * config.block_size
         self.model_len = config.max_model_len or hf_config.max_position_embeddings
-        # a sequence must fit the cache alone, or preempting everyone else would not save it
+        # a sequence must fit the cache alone, or preempting everyone else would not save it;
+        # without chunked prefill it must also fit one step (its prompt, or its recompute)
         self.max_model_len = min(self.model_len, self.kv_capacity)
+        if not config.enable_chunked_prefill:
+            self.model_len = min(self.model_len, config.max_num_batched_tokens)
+            self.max_model_len = min(self.max_model_len, config.max_num_batched_tokens)
         # the model as the user named it isolates caches of different models; the router
         # hashes prompts with the same keys (kv_hash_keys) to find them in the directory
         self.kv_hash_keys = (config.block_size, (config.model,))
@@ -85,6 +89,8 @@ class LLMEngine:
             self.max_model_len, config.max_num_batched_tokens, config.max_num_seqs,
             config.max_prefill_chunk, decode_steps=config.resolved_decode_steps,
             decode_lookahead=config.decode_lookahead,
+            enable_chunked_prefill=config.enable_chunked_prefill,
+            scheduler_delay_factor=config.scheduler_delay_factor,
         ), kv)
         self.step_builder = StepBuilder()
         self.requests: dict[str, RequestTracker] = {}

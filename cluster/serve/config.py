@@ -46,6 +46,13 @@ class ServeConfig(BaseModel):
     max_num_seqs: int = Field(64, ge=1, description="Sequences in a batch at most.")
     max_num_batched_tokens: int = Field(2048, ge=1, description="Tokens in a step at most.")
     enable_prefix_caching: bool = Field(True, description="Share KV blocks of equal prefixes.")
+    enable_chunked_prefill: bool = Field(True, description="Prefill prompts in chunks mixed "
+                                         "with decodes; false: a prompt in one step.")
+    scheduler_delay_factor: float = Field(0.0, ge=0, description="While others run, new "
+                                          "prompts wait this many times the last step, so "
+                                          "more of them prefill together.")
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="Share of the GPU's "
+                                          "memory each engine takes.")
     decode_steps: int = Field(0, ge=0, le=64, description="Decode steps per call to the workers "
                               "when every request decodes; 0: auto (8 on a GPU, 1 on the CPU).")
     decode_lookahead: bool = Field(False, description="Multi-step calls also run the next "
@@ -89,7 +96,9 @@ class ServeConfig(BaseModel):
             tensor_parallel_size=self.tensor_parallel_size,
             distributed_executor_backend="ray" if self.tensor_parallel_size > 1 else "uni",
             decode_steps=self.decode_steps, decode_lookahead=self.decode_lookahead,
-            seed=self.seed,
+            seed=self.seed, enable_chunked_prefill=self.enable_chunked_prefill,
+            scheduler_delay_factor=self.scheduler_delay_factor,
+            gpu_memory_utilization=self.gpu_memory_utilization,
         )
 
     def curl_example(self) -> str:

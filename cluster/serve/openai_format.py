@@ -60,10 +60,13 @@ def choice_index(prompt_index: int, n: int, completion: CompletionOutput) -> int
 
 
 def completion_choices(tokenizer: PreTrainedTokenizerBase | None,
-                       outputs: Sequence[RequestOutput], n: int) -> list[CompletionChoice]:
+                       outputs: Sequence[RequestOutput], n: int,
+                       echoes: Sequence[str] | None = None) -> list[CompletionChoice]:
+    """``echoes``: each prompt's text, put before its choices' text."""
     return [
         CompletionChoice(
-            index=choice_index(i, n, c), text=c.text, finish_reason=c.finish_reason,
+            index=choice_index(i, n, c), text=(echoes[i] if echoes else "") + c.text,
+            finish_reason=c.finish_reason,
             stop_reason=c.stop_reason,
             logprobs=None if c.logprobs is None else completion_logprobs(tokenizer, c.logprobs),
         )

@@ -6,7 +6,7 @@ is closed early.
 """
 
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from transformers import PreTrainedTokenizerBase
 
@@ -45,23 +45,27 @@ class OpenAIService:
 
     async def completions(self, request: CompletionRequest) -> CompletionResponse | Events:
         self._check_model(request.model)
-        if request.echo:
-            raise bad_request("echo is not supported", "echo")
+        self._check_unsupported(request)
+        if request.echo and request.logprobs is not None:
+            raise bad_request("echo with logprobs is not supported (no prompt logprobs)", "echo")
         prompts = self._completion_prompts(request.prompt)
+        echoes = self._echoes(request.prompt, prompts) if request.echo else None
         params = [self._params(request, request.max_tokens, request.logprobs, ids, "prompt")
                   for ids in prompts]
         request_id = new_id("cmpl")
         stream = await self._start(request_id, prompts, params)
         if request.stream:
-            return completion_events(stream, self._context(request_id, request, prompts))
+            context = self._context(request_id, request, prompts)
+            return completion_events(stream, replace(context, echoes=echoes))
         outputs = await self._finish(stream, len(prompts))
         return CompletionResponse(
             id=request_id, model=self.model_name, usage=usage(prompts, outputs),
-            choices=completion_choices(self.tokenizer, outputs, request.n),
+            choices=completion_choices(self.tokenizer, outputs, request.n, echoes),
         )
 
     async def chat(self, request: ChatCompletionRequest) -> ChatCompletionResponse | Events:
         self._check_model(request.model)
+        self._check_unsupported(request)
         if not request.messages:
             raise bad_request("messages must not be empty", "messages")
         try:
@@ -86,6 +90,24 @@ class OpenAIService:
     def _check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:
             raise model_not_found(name)
+
+    def _check_unsupported(self, request: SamplingFields) -> None:
+        """Options vLLM clients send that tandem does not do: a clear 400, never ignored."""
+        if request.best_of is not None and request.best_of != request.n:
+            raise bad_request(f"best_of is not supported (got {request.best_of} with n = "
+                              f"{request.n}): leave it out or make it equal to n", "best_of")
+        kind = (request.response_format or {}).get("type", "text")
+        if request.response_format is not None and kind != "text":
+            raise bad_request(f"response_format {kind!r} is not supported (only 'text')",
+                              "response_format")
+
+    def _echoes(self, prompt: Prompt, prompts: list[list[int]]) -> list[str]:
+        """Each prompt's text, as given, or decoded from its token ids."""
+        items = [prompt] if isinstance(prompt, str) or isinstance(prompt[0], int) else prompt
+        if self.tokenizer is None and not all(isinstance(p, str) for p in items):
+            raise bad_request("echo of token-id prompts needs the model's tokenizer", "echo")
+        return [p if isinstance(p, str) else self.tokenizer.decode(ids)  # type: ignore[union-attr]
+                for p, ids in zip(items, prompts, strict=True)]
 
     def _completion_prompts(self, prompt: Prompt) -> list[list[int]]:
         single = isinstance(prompt, str) or (prompt and isinstance(prompt[0], int))

@@ -89,6 +89,7 @@ class StreamContext:
     n: int
     include_usage: bool
     created: int = field(default_factory=now)
+    echoes: list[str] | None = None  # each prompt's text, sent first (completions' echo)
 
 
 async def completion_events(stream: Stream, ctx: StreamContext) -> AsyncIterator[str]:
@@ -102,6 +103,9 @@ async def completion_events(stream: Stream, ctx: StreamContext) -> AsyncIterator
         return CompletionChoice(index=d.index, text=d.text, finish_reason=d.finish_reason,
                                 stop_reason=d.stop_reason, logprobs=logprobs)
 
+    for prompt_index, echo in enumerate(ctx.echoes or []):
+        yield chunk([CompletionChoice(index=prompt_index * ctx.n + i, text=echo)
+                     for i in range(ctx.n)])
     async for text in guarded(stream, choice_events(stream, ctx, chunk, choice)):
         yield text
 

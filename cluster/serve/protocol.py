@@ -6,7 +6,7 @@ out-of-range value gets the same message over HTTP as in the offline API.
 
 import time
 import uuid
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -41,6 +41,9 @@ class SamplingFields(BaseModel):
     stream: bool = Field(False, description="Send tokens as server-sent events.")
     stream_options: StreamOptions | None = Field(None, description="Streaming options.")
     user: str | None = Field(None, description="An end-user id (recorded, not used).")
+    best_of: int | None = Field(None, description="Not supported beyond n: null or equal to n.")
+    response_format: dict[str, Any] | None = Field(None, description="Only {\"type\": \"text\"} "
+                                                   "is supported.")
     cache_salt: str | None = Field(None, min_length=1, description="Requests share cached "
                                    "prefixes only with requests of the same salt (one tenant's "
                                    "prefixes are not another's).")
@@ -70,7 +73,8 @@ class CompletionRequest(SamplingFields):
     max_tokens: int | None = Field(16, description="Tokens to generate at most; "
                                    "null: as many as the context allows.")
     logprobs: int | None = Field(None, description="Return the top-n logprobs of each token.")
-    echo: bool = Field(False, description="Not supported; must be false.")
+    echo: bool = Field(False, description="Send the prompt's text back before the completion "
+                       "(not with logprobs).")
 
 
 class TextPart(BaseModel):

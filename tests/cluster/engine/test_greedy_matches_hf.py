@@ -75,6 +75,16 @@ def test_prefill_in_chunks_of_three_tokens(tiny_models, expected, name):
     assert tokens == expected[name]
 
 
+@pytest.mark.parametrize("name", MODELS)
+def test_whole_prompts_only_and_a_scheduler_delay(tiny_models, expected, name):
+    # without chunked prefill a prompt waits for a step with room for all of it; the delay
+    # factor holds new prompts back while others run (both change only when prompts run)
+    llm, tokens = generate(tiny_models[name], num_kv_blocks=256, enable_chunked_prefill=False,
+                           max_num_batched_tokens=64, scheduler_delay_factor=0.5)
+    assert tokens == expected[name]
+    assert llm.engine.max_model_len == 64  # a sequence fits one step (a recompute, too)
+
+
 def test_small_budget_and_one_sequence_at_a_time(tiny_models, expected):
     _, tokens = generate(tiny_models["qwen3"], num_kv_blocks=256, max_num_seqs=1,
                          max_num_batched_tokens=5, enable_prefix_caching=False)

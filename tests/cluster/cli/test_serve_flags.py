@@ -1,0 +1,76 @@
+"""`tandem serve`'s flags, vLLM's names and meanings: each one reaches the engine's config;
+flags of features tandem does not have yet are refused, never ignored."""
+
+import pytest
+
+from cluster.cli.main import build_parser
+from cluster.cli.serve import serve_config
+
+
+def config_of(*flags):
+    return serve_config(build_parser().parse_args(["serve", *flags]))
+
+
+@pytest.mark.parametrize(("flags", "field", "value"), [
+    (["--tensor-parallel-size", "2"], "tensor_parallel_size", 2),
+    (["-tp", "2"], "tensor_parallel_size", 2),
+    (["--tp", "2"], "tensor_parallel_size", 2),
+    (["--gpu-memory-utilization", "0.5"], "gpu_memory_utilization", 0.5),
+    (["--max-num-seqs", "16"], "max_num_seqs", 16),
+    (["--max-num-batched-tokens", "512"], "max_num_batched_tokens", 512),
+    (["--max-model-len", "2048"], "max_model_len", 2048),
+    (["--block-size", "32"], "block_size", 32),
+    (["--dtype", "bfloat16"], "dtype", "bfloat16"),
+    (["--seed", "7"], "seed", 7),
+    (["--enable-chunked-prefill"], "enable_chunked_prefill", True),
+    (["--no-enable-chunked-prefill", "--max-num-batched-tokens", "4096", "--max-model-len",
+      "4096"], "enable_chunked_prefill", False),
+    (["--enable-prefix-caching"], "enable_prefix_caching", True),
+    (["--no-enable-prefix-caching"], "enable_prefix_caching", False),
+    (["--no-prefix-caching"], "enable_prefix_caching", False),
+    (["--scheduler-delay-factor", "0.5"], "scheduler_delay_factor", 0.5),
+    (["--kv-cache-dtype", "auto"], "dtype", "auto"),
+])
+def test_each_flag_reaches_the_engine_config(flags, field, value):
+    assert getattr(config_of(*flags).engine_config(), field) == value
+
+
+def test_the_serving_flags_and_the_model_first():
+    config = config_of("smollm2-135m-instruct", "--served-model-name", "smol", "--api-key", "k",
+                       "--host", "0.0.0.0", "--port", "9000")
+    assert (config.model, config.model_name, config.api_key, config.host, config.port) == (
+        "smollm2-135m-instruct", "smol", "k", "0.0.0.0", 9000)
+    assert config_of("--model", "m").model == config_of("m").model == "m"
+    with pytest.raises(ValueError, match="two models given: 'a' and --model 'b'"):
+        config_of("a", "--model", "b")
+
+
+def test_the_brief_s_command_line_is_accepted():
+    config = config_of("smollm2-135m-instruct", "--max-num-seqs", "16",
+                       "--max-num-batched-tokens", "512", "--enable-chunked-prefill",
+                       "--max-model-len", "2048", "--tensor-parallel-size", "1",
+                       "--scheduler-delay-factor", "0.5").engine_config()
+    assert (config.max_num_seqs, config.max_num_batched_tokens, config.max_model_len,
+            config.enable_chunked_prefill, config.scheduler_delay_factor) == (
+        16, 512, 2048, True, 0.5)
+
+
+def test_flags_of_features_not_there_yet_are_refused_with_the_reason():
+    with pytest.raises(ValueError) as error:
+        config_of("--kv-cache-dtype", "int8", "--speculative-model", "draft",
+                  "--num-speculative-tokens", "4")
+    assert str(error.value) == (
+        "not supported:\n"
+        "  --kv-cache-dtype: quantized KV caches are not implemented yet (only 'auto')\n"
+        "  --speculative-model: speculative decoding is not implemented yet\n"
+        "  --num-speculative-tokens: speculative decoding is not implemented yet")
+    with pytest.raises(ValueError, match="--speculative-config: speculative decoding"):
+        config_of("--speculative-config", '{"method": "ngram"}')
+
+
+def test_without_chunked_prefill_the_context_must_fit_one_step():
+    with pytest.raises(ValueError, match=r"with enable_chunked_prefill=False, max_model_len "
+                                         r"\(2048\) must be at most max_num_batched_tokens "
+                                         r"\(512\)"):
+        config_of("--no-enable-chunked-prefill", "--max-model-len", "2048",
+                  "--max-num-batched-tokens", "512").engine_config()
