@@ -9,10 +9,10 @@ includes): it keeps the batches that come meanwhile and replays those the dump d
 
 Lookups walk a request's chained block hashes from the first: since a hash names its whole
 prefix, the longest prefix a replica holds is the count of leading hashes it holds, found in
-one pass over the blocks (each step intersects the set of replicas still matching).
+one pass over the blocks (each step keeps the replicas still matching).
 """
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kvstore.block_hash import BlockHash
@@ -110,15 +110,43 @@ class KVDirectory:
     def longest_prefixes(self, hashes: Sequence[BlockHash],
                          replicas: Iterable[int]) -> dict[int, int]:
         """For each of ``replicas``: how many leading blocks of ``hashes`` it holds."""
-        matched = dict.fromkeys(replicas, 0)
-        candidates = set(matched)
-        for depth, block_hash in enumerate(hashes):
-            candidates &= self.holders.get(block_hash, set())
-            if not candidates:
-                break
-            for replica in candidates:
-                matched[replica] = depth + 1
-        return matched
+        return self.matches(hashes, list(replicas))[0]
+
+    def matches(self, hashes: Sequence[BlockHash], replicas: list[int],
+                also_held: Mapping[BlockHash, Container[int]] | None = None,
+                ) -> tuple[dict[int, int], dict[int, int]]:
+        """Leading blocks of ``hashes`` each replica holds: as the directory lists them, and
+        counting ``also_held`` (hash -> replicas about to hold it) as held too. One pass, which
+        stops where no replica matches; past the first blocks usually one replica is left."""
+        stored, matched = dict.fromkeys(replicas, 0), dict.fromkeys(replicas, 0)
+        in_store, in_any = set(replicas), set(replicas)
+        extra = also_held if also_held is not None else {}
+        empty: frozenset[int] = frozenset()
+        depth = 0
+        while depth < len(hashes) and len(in_any) > 1:
+            holders = self.holders.get(hashes[depth], empty)
+            pending = extra.get(hashes[depth], empty)
+            depth += 1
+            in_store = {index for index in in_store if index in holders}
+            in_any = {index for index in in_any if index in holders or index in pending}
+            for index in in_any:
+                matched[index] = depth
+                if index in in_store:
+                    stored[index] = depth
+        if len(in_any) == 1:  # one replica left: a tight loop over the rest of the chain
+            (index,) = in_any
+            storing = index in in_store
+            for block_hash in hashes[depth:]:
+                holders = self.holders.get(block_hash, empty)
+                storing = storing and index in holders
+                if not storing and index not in holders and index not in extra.get(
+                        block_hash, empty):
+                    break
+                depth += 1
+                matched[index] = depth
+                if storing:
+                    stored[index] = depth
+        return stored, matched
 
     def _apply_events(self, replica: int, events: Iterable[KVEvent]) -> None:
         for event in events:

@@ -102,7 +102,8 @@ class PrefixAffinity:
     def choose(self, loads: Sequence[ReplicaLoad], request: RoutingRequest) -> Decision:
         live = candidates(loads)
         self._expire()
-        stored, matched = self._longest_prefixes(request.block_hashes, live)
+        # blocks pending on a replica count as held there (they are being computed)
+        stored, matched = self.directory.matches(request.block_hashes, live, self.pending)
         most_cached = max(request.num_prompt_tokens - 1, 0)
 
         def cached(index: int) -> int:
@@ -126,40 +127,6 @@ class PrefixAffinity:
             decision = Decision(best, "affinity" if cached(best) else "no_match", cached(best))
         self._add_pending(request.block_hashes, decision.replica, stored[decision.replica])
         return decision
-
-    def _longest_prefixes(self, hashes: Sequence[BlockHash],
-                          live: list[int]) -> tuple[dict[int, int], dict[int, int]]:
-        """Leading blocks each replica holds: stored (the directory's), and matched (counting
-        pending hashes as held too), in one pass that stops where no replica matches."""
-        stored, matched = dict.fromkeys(live, 0), dict.fromkeys(live, 0)
-        in_store, in_any = set(live), set(live)
-        holders_of, pending_of = self.directory.holders, self.pending
-        empty: frozenset[int] = frozenset()
-        depth = 0
-        while depth < len(hashes) and len(in_any) > 1:
-            holders = holders_of.get(hashes[depth], empty)
-            pending = pending_of.get(hashes[depth], empty)
-            depth += 1
-            in_store = {index for index in in_store if index in holders}
-            in_any = {index for index in in_any if index in holders or index in pending}
-            for index in in_any:
-                matched[index] = depth
-                if index in in_store:
-                    stored[index] = depth
-        if len(in_any) == 1:  # the usual case past the first blocks: one replica holds it
-            (index,) = in_any
-            storing = index in in_store
-            for block_hash in hashes[depth:]:
-                holders = holders_of.get(block_hash, empty)
-                storing = storing and index in holders
-                if not storing and index not in holders and index not in pending_of.get(
-                        block_hash, empty):
-                    break
-                depth += 1
-                matched[index] = depth
-                if storing:
-                    stored[index] = depth
-        return stored, matched
 
     def _add_pending(self, hashes: Sequence[BlockHash], replica: int, stored: int) -> None:
         """The blocks past what the directory already lists there count as held there for

@@ -62,6 +62,11 @@ NOT_YET = {
     "--num-speculative-tokens": "speculative decoding is not implemented yet",
     "--speculative-draft-tensor-parallel-size": "speculative decoding is not implemented yet",
 }
+ACCEPTED = {"--kv-cache-dtype": "auto"}  # the one value of those flags that is today's behaviour
+
+
+def dest(flag: str) -> str:
+    return flag.removeprefix("--").replace("-", "_")
 
 
 def add_serve_command(subparsers: argparse._SubParsersAction) -> None:
@@ -77,8 +82,7 @@ def add_serve_command(subparsers: argparse._SubParsersAction) -> None:
                         action="store_false", default=None,
                         help="the same as --no-enable-prefix-caching")
     for flag, reason in NOT_YET.items():
-        parser.add_argument(flag, dest=flag.removeprefix("--").replace("-", "_"),
-                            help=f"not yet: {reason}")
+        parser.add_argument(flag, dest=dest(flag), help=f"not yet: {reason}")
     parser.add_argument("--throughput-optimized", action=argparse.BooleanOptionalAction,
                         default=None, help="Ray Serve's throughput-optimized mode: HTTP reaches "
                         "the ingress replicas without Serve's proxy actor (default: on, or "
@@ -89,9 +93,7 @@ def add_serve_command(subparsers: argparse._SubParsersAction) -> None:
 def serve_config(args: argparse.Namespace) -> ServeConfig:
     """The ServeConfig the flags ask for; ValueError naming each flag that is wrong."""
     refused = [f"{flag}: {reason}" for flag, reason in NOT_YET.items()
-               if getattr(args, flag.removeprefix("--").replace("-", "_")) not in (None, "auto")
-               or (flag != "--kv-cache-dtype"
-                   and getattr(args, flag.removeprefix("--").replace("-", "_")) is not None)]
+               if getattr(args, dest(flag)) not in (None, ACCEPTED.get(flag))]
     if refused:
         raise ValueError("not supported:\n  " + "\n  ".join(refused))
     if args.model_name and args.model and args.model_name != args.model:
