@@ -7,6 +7,7 @@ from dataclasses import dataclass
 class SamplingParams:
     n: int = 1
     max_tokens: int = 16
+    min_tokens: int = 0  # EOS and stop tokens (and stop strings) cannot end it before this
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1: no top-k
@@ -32,6 +33,10 @@ class SamplingParams:
         checks = [
             (self.n >= 1, f"n must be at least 1, got {self.n}"),
             (self.max_tokens >= 1, f"max_tokens must be at least 1, got {self.max_tokens}"),
+            (
+                0 <= self.min_tokens <= self.max_tokens,
+                f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}",
+            ),
             (self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}"),
             (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
             (self.top_k >= -1, f"top_k must be -1, 0 (off) or positive, got {self.top_k}"),

@@ -125,7 +125,7 @@ class Scheduler:
         needed = 1  # the most tokens any sequence wants
         least_room = self.config.max_model_len  # the fewest tokens the model's length allows
         for seq in running:
-            if seq.num_tokens - seq.num_computed_tokens != 1 or seq.params.uses_history:
+            if seq.num_tokens - seq.num_computed_tokens != 1 or seq.needs_single_steps:
                 return 1, False
             wanted = seq.params.max_tokens - seq.num_output_tokens
             room = self.config.max_model_len - seq.num_tokens

@@ -64,6 +64,12 @@ class Sequence:
         return self.token_ids[len(self.prompt_token_ids) :]
 
     @property
+    def needs_single_steps(self) -> bool:
+        """Each step's sampling reads what the step before gave: penalties read the history,
+        and min_tokens masks the stop tokens until the output is long enough."""
+        return self.params.uses_history or self.num_output_tokens < self.params.min_tokens
+
+    @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 

@@ -38,6 +38,12 @@ class RequestState:
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens :]
 
+    @property
+    def needs_single_steps(self) -> bool:
+        """Sampling reads every token before (penalties), or masks stops until min_tokens."""
+        num_output = len(self.token_ids) - self.num_prompt_tokens
+        return self.spec.uses_history or num_output < self.spec.min_tokens
+
     def generator_for_next_token(self, offset: int = 0) -> torch.Generator | None:
         """The seeded generator, reseeded from (seed, output index); ``offset`` counts tokens
         sampled past those this state holds (the later steps of a multi-step call).

@@ -36,6 +36,8 @@ class SamplingSpec:
     frequency_penalty: float = 0.0  # subtracted count-in-output times
     seed: int | None = None  # the caller turns it into a generator kept across steps
     logprobs: int | None = None  # top-n logprobs to return (0 = only the sampled token's)
+    min_tokens: int = 0  # until a row has this many output tokens, stop_token_ids are masked
+    stop_token_ids: tuple[int, ...] = ()  # the tokens that would end it (EOS unless ignored)
 
     @property
     def is_greedy(self) -> bool:
@@ -43,8 +45,9 @@ class SamplingSpec:
 
     @cached_property  # asked of every row at every step: worked out once per request
     def is_plain_greedy(self) -> bool:
-        """Greedy, and nothing else to compute: no penalty, no logprobs."""
-        return self.is_greedy and not self.uses_history and self.logprobs is None
+        """Greedy, and nothing else to compute: no penalty, no logprobs, no min_tokens."""
+        return (self.is_greedy and not self.uses_history and self.logprobs is None
+                and self.min_tokens == 0)
 
     @property
     def uses_history(self) -> bool:
@@ -102,6 +105,7 @@ class Sampler:
             return SamplerOutput(greedy(logits), None, None, None)
         raw = logits.float()  # may alias the caller's tensor: nothing below works in place
         logits = apply_penalties(raw, specs, prompt_token_ids, output_token_ids)
+        logits = apply_min_tokens(logits, specs, output_token_ids)
         token_ids = greedy(logits)  # (B,) the greedy answer for every row
         sampled_rows = [not spec.is_greedy for spec in specs]
         if any(sampled_rows):
@@ -186,6 +190,26 @@ def apply_penalties(
         frequency = row_values(logits, [s.frequency_penalty for s in specs])
         logits = logits - frequency * output_counts - presence * (output_counts > 0)
     return logits
+
+
+def apply_min_tokens(
+    logits: torch.Tensor,  # (B, V) float32
+    specs: Sequence[SamplingSpec],
+    output_token_ids: Sequence[Sequence[int]],
+) -> torch.Tensor:
+    """Rows short of their min_tokens cannot pick a token that would end them."""
+    rows: list[int] = []
+    columns: list[int] = []
+    vocab = logits.shape[-1]
+    for row, spec in enumerate(specs):
+        if spec.min_tokens and len(output_token_ids[row]) < spec.min_tokens:
+            stops = [t for t in spec.stop_token_ids if t < vocab]  # the model can't make others
+            rows += [row] * len(stops)
+            columns += stops
+    if not rows:
+        return logits
+    index = (torch.tensor(rows, device=logits.device), torch.tensor(columns, device=logits.device))
+    return logits.index_put(index, torch.tensor(float("-inf"), device=logits.device))
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:

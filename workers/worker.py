@@ -281,8 +281,9 @@ class Worker:
         first = build_decode_rows(scheduled, self.states, self.config.block_size)
         if first is None:
             raise ValueError("num_steps > 1 needs a step where every sequence decodes")
-        if any(self.states[r].spec.uses_history for r in first.request_ids):
-            raise ValueError("num_steps > 1 cannot apply penalties: they need every token")
+        if any(self.states[r].needs_single_steps for r in first.request_ids):
+            raise ValueError("num_steps > 1 cannot apply penalties or min_tokens: they need "
+                             "every token")
         if run_lookahead:
             self._check_lookahead_slots(first, num_steps)
         tokens: torch.Tensor | None = None  # (B,) on the device: the last step's samples

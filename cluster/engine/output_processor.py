@@ -126,8 +126,8 @@ def add_token(
         return None
     delta = tracker.detokenizer.add(token_id)
     tracker.full_text += delta
-    if not params.stop or not delta:
-        return None
+    if not params.stop or not delta or len(tracker.output.token_ids) <= params.min_tokens:
+        return None  # (vLLM's rule: a stop string counts only past min_tokens)
     found = find_stop(tracker.full_text, len(delta), params.stop)
     if found is None:
         return None

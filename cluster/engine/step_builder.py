@@ -6,12 +6,15 @@ from workers.sampler import SamplingSpec
 from workers.step_input import NewRequest, ScheduledRequest, StepInput
 
 
-def sampling_spec(params: SamplingParams) -> SamplingSpec:
+def sampling_spec(params: SamplingParams, stop_ids: frozenset[int]) -> SamplingSpec:
+    """``stop_ids``: the tokens that end the sequence (``Sequence.stop_ids``), which the
+    sampler masks until ``min_tokens``."""
     return SamplingSpec(
         temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
         min_p=params.min_p, repetition_penalty=params.repetition_penalty,
         presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
-        seed=params.seed, logprobs=params.logprobs,
+        seed=params.seed, logprobs=params.logprobs, min_tokens=params.min_tokens,
+        stop_token_ids=tuple(sorted(stop_ids)) if params.min_tokens else (),
     )
 
 
@@ -30,7 +33,7 @@ class StepBuilder:
             if item.is_new:
                 new_requests.append(NewRequest(
                     request_id, list(token_ids), seq.num_prompt_tokens,
-                    item.new_block_ids, sampling_spec(seq.params),
+                    item.new_block_ids, sampling_spec(seq.params, seq.stop_ids),
                 ))
                 new_tokens, new_blocks = [], []
             else:

@@ -38,6 +38,8 @@ class SamplingFields(BaseModel):
     stop_token_ids: list[int] | None = Field(None, description="Token ids that end generation.")
     n: int = Field(1, description="Completions to generate for each prompt.")
     ignore_eos: bool = Field(False, description="Keep generating past end-of-sequence tokens.")
+    min_tokens: int = Field(0, description="Tokens to generate at least: until then EOS, stop "
+                            "tokens and stop strings do not end generation.")
     stream: bool = Field(False, description="Send tokens as server-sent events.")
     stream_options: StreamOptions | None = Field(None, description="Streaming options.")
     user: str | None = Field(None, description="An end-user id (recorded, not used).")
@@ -61,6 +63,7 @@ class SamplingFields(BaseModel):
             seed=self.seed, stop=stop_strings(self.stop),
             stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos, logprobs=logprobs, cache_salt=self.cache_salt,
+            min_tokens=self.min_tokens,
         )
 
 

@@ -77,6 +77,17 @@ def test_one_step_when_someone_waits_samples_with_penalties_or_the_pool_is_short
     prefill(sched, seq("a", 6, repetition_penalty=1.2))
     assert sched.schedule().num_steps == 1  # a penalty needs every token before it
 
+    sched = make()  # min_tokens masks stops by the output's length: one step at a time until
+    a = seq("a", 6, min_tokens=3)
+    prefill(sched, a)
+    output = sched.schedule()
+    assert output.num_steps == 1
+    sched.update(output, {"a": [8]})
+    output = sched.schedule()
+    assert output.num_steps == 1
+    sched.update(output, {"a": [9]})
+    assert a.num_output_tokens == 3 and sched.schedule().num_steps == 4  # then as many as fit
+
     sched = make(num_blocks=2)
     prefill(sched, seq("a", 6))  # 7 tokens in both blocks: 4 more steps need a third
     assert sched.schedule().num_steps == 1

@@ -125,6 +125,8 @@ def test_abort_frees_everything_at_once():
     ({"top_p": 1.5}, "top_p must be in (0, 1], got 1.5"),
     ({"n": 0}, "n must be at least 1, got 0"),
     ({"stop": [""]}, "stop strings must not be empty"),
+    ({"min_tokens": 5, "max_tokens": 4}, "min_tokens must be in [0, max_tokens=4], got 5"),
+    ({"min_tokens": -1}, "min_tokens must be in [0, max_tokens=16], got -1"),
 ])
 def test_bad_sampling_params_are_refused(kwargs, message):
     with pytest.raises(ValueError) as error:

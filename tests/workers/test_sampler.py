@@ -246,3 +246,28 @@ def test_greedy_rows_draw_no_noise():
     assert torch.equal(shared.get_state(), shared_state)
     assert torch.equal(own.get_state(), own_state)
     assert not torch.equal(other.get_state(), make_generator(19, "cpu").get_state())
+
+
+def test_min_tokens_masks_the_stop_tokens_of_short_rows_only():
+    # token 3 (EOS) is every row's argmax; token 1 the runner-up, token 4 a stop token out of
+    # this vocabulary (ignored, not an index error)
+    logits = torch.tensor([[0.0, 2.0, 1.0, 5.0]] * 3)
+    spec = SamplingSpec(temperature=0.0, min_tokens=2, stop_token_ids=(3, 4))
+    outputs = [[], [7], [7, 8]]  # rows below, below, at min_tokens
+    assert sample(logits, [spec] * 3, outputs=outputs).token_ids.tolist() == [1, 1, 3]
+    assert not spec.is_plain_greedy
+    # sampled rows never draw a masked token either
+    hot = SamplingSpec(temperature=5.0, min_tokens=1, stop_token_ids=(1, 3))
+    picks = sample(logits.repeat(50, 1), [hot] * 150, sampler=Sampler(
+        torch.Generator().manual_seed(0))).token_ids
+    assert set(picks.tolist()) <= {0, 2}
+
+
+def test_min_tokens_keeps_the_logprobs_of_the_raw_distribution():
+    logits = torch.tensor([[0.0, 2.0, 1.0, 5.0]])
+    spec = SamplingSpec(temperature=0.0, logprobs=1, min_tokens=1, stop_token_ids=(3,))
+    out = sample(logits, [spec])
+    raw = logits.log_softmax(dim=-1)[0]
+    assert out.token_ids.tolist() == [1]
+    assert out.logprob_token_ids.tolist() == [[1, 3]]  # the top token is still reported
+    assert torch.allclose(out.logprobs[0], raw[[1, 3]])

@@ -84,3 +84,29 @@ def test_shared_system_prompt_hits_the_prefix_cache(llm):
     outputs = llm.chat(conversations[1:], params)
     assert llm.stats().prefix_cache_hits > before
     assert all(out.metrics.num_cached_tokens >= 64 for out in outputs)
+
+
+def test_min_tokens_holds_eos_back_as_transformers_does(llm):
+    """The greedy answer ends with EOS after some tokens; asked for more than that, the EOS is
+    masked until then (token for token transformers' min_new_tokens), in one-step and
+    multi-step calls alike, and a stop string before min_tokens does not end it."""
+    messages = [{"role": "user", "content": QUESTIONS[0]}]
+    natural = llm.chat(messages, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))[0]
+    assert natural.finish_reason == "stop" and len(natural.token_ids) < MAX_TOKENS - 12
+    at_least = len(natural.token_ids) + 6
+    params = SamplingParams(temperature=0.0, max_tokens=at_least + 6, min_tokens=at_least)
+    hf = AutoModelForCausalLM.from_pretrained(model_path(DEFAULT_MODEL), dtype=torch.float32)
+    prompt = llm.engine.chat_prompt(messages)
+    expected = hf.generate(torch.tensor([prompt]), max_new_tokens=at_least + 6,
+                           min_new_tokens=at_least, do_sample=False)[0, len(prompt):].tolist()
+    multi = LLM(DEFAULT_MODEL, device="cpu", dtype="float32", block_size=16, num_kv_blocks=256,
+                decode_steps=4)
+    for engine in (llm, multi):
+        out = engine.chat(messages, params)[0]
+        assert out.token_ids == expected
+        assert len(out.token_ids) >= at_least and 2 not in out.token_ids[:at_least]
+        assert out.token_ids[: len(natural.token_ids) - 1] == natural.token_ids[:-1]
+    stopped = llm.chat(messages, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS,
+                                                stop=["Paris"], min_tokens=at_least))[0]
+    assert "Paris" in stopped.text[: len(natural.text)]  # not cut where it first appears
+    assert len(stopped.token_ids) >= at_least

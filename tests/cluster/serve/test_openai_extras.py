@@ -1,5 +1,5 @@
-"""OpenAI fields vLLM clients send: echo, best_of and response_format refused clearly, user and
-cache_salt accepted; over the fake cluster of test_protocol, without Ray."""
+"""OpenAI fields vLLM clients send: echo and min_tokens, best_of and response_format refused
+clearly, user and cache_salt accepted; over the fake cluster of test_protocol, without Ray."""
 
 import httpx2 as httpx
 
@@ -88,3 +88,12 @@ def test_user_and_cache_salt_are_accepted_and_the_salt_reaches_the_engine():
     assert response.status_code == 200
     assert cluster.params[0].cache_salt == "tenant-a"
     assert post({"prompt": [1], "cache_salt": ""}).status_code == 400
+
+
+def test_min_tokens_reaches_the_engine_and_is_checked_against_max_tokens():
+    cluster = RecordingCluster()
+    assert post({"prompt": [1], "min_tokens": 3, "max_tokens": 8}, cluster).status_code == 200
+    assert (cluster.params[0].min_tokens, cluster.params[0].max_tokens) == (3, 8)
+    too_many = post({"prompt": [1], "min_tokens": 9, "max_tokens": 8})
+    assert too_many.status_code == 400
+    assert too_many.json()["error"]["message"] == "min_tokens must be in [0, max_tokens=8], got 9"
