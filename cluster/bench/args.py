@@ -130,6 +130,12 @@ def add_bench_parsers(subparsers: argparse._SubParsersAction) -> None:
                         "second (0: all at once)")
     prefix.add_argument("--skewed", action="store_true",
                         help="half of the requests share one hot prefix")
+    prefix.add_argument("--interleaved", action="store_true",
+                        help="the groups' requests in a shuffled (seeded) order, not one group "
+                        "after another")
+    prefix.add_argument("--num-kv-blocks", type=int,
+                        help="KV blocks of each replica (default: as many as memory allows); "
+                        "fewer than all prefixes need makes the cache's capacity count")
     prefix.set_defaults(handler=run_prefix)
 
     add_serve_bench_parser(workloads)  # W3: cluster/bench/serve_bench.py (serving owns it)

@@ -1,6 +1,7 @@
 """One function per workload: tandem, then the HF baseline, then the roofline, in one run."""
 
 import argparse
+import random
 import time
 from pathlib import Path
 
@@ -245,13 +246,15 @@ def prefix(args: argparse.Namespace) -> int:
     shape = (args.num_groups, args.group_size, args.prefix_len, args.question_len)
     make_requests = skewed_prefix_requests if args.skewed else prefix_requests
     requests = make_requests(*shape, args.output_len, setup.vocab_size, args.seed)
+    if args.interleaved:  # as users of many groups arrive: mixed (the prefixes are the same)
+        random.Random(args.seed).shuffle(requests)
     warmup = prefix_requests(1, 2, args.prefix_len, args.question_len, 4, setup.vocab_size,
                              args.seed + 1)
     if args.replicas > 1:
         return prefix_on_replicas(args, setup, requests, warmup)
     results = {}
     for cache in (True, False):
-        llm = setup.engine(enable_prefix_caching=cache)
+        llm = setup.engine(enable_prefix_caching=cache, num_kv_blocks=args.num_kv_blocks)
         setup.run(llm, warmup)
         results["on" if cache else "off"] = setup.run(llm, requests)
         results["on" if cache else "off"].pop("token_ids")
