@@ -61,6 +61,8 @@ class ScheduledSequence:
     num_new_tokens: int
     new_block_ids: list[int]
     is_new: bool  # the workers hear of it now: first admission, or again after a preemption
+    # speculative tokens verified in this step, the last num_new_tokens' (a decode's 1 + k)
+    draft_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -158,7 +160,9 @@ class Scheduler:
             num_computed = seq.num_computed_tokens
             num_missing = len(seq.token_ids) - num_computed
             num_new = min(num_missing, budget, chunk) if chunk else min(num_missing, budget)
-            lookahead = lookahead_len if num_new == num_missing else 0
+            drafts = self._drafts(seq, budget)
+            num_new += len(drafts)
+            lookahead = lookahead_len if num_new >= num_missing else 0
             while True:
                 blocks = allocate(seq.request_id, num_computed, num_new,
                                   num_lookahead_tokens=lookahead)
@@ -170,10 +174,21 @@ class Scheduler:
                 if victim is seq:
                     return budget
             new_ids = [b.block_id for b in blocks] if blocks else []
-            scheduled.append(ScheduledSequence(seq, num_new, new_ids, is_new=False))
+            scheduled.append(ScheduledSequence(seq, num_new, new_ids, False, drafts))
             budget -= num_new
             index += 1
         return budget
+
+    def _drafts(self, seq: Sequence, budget: int) -> list[int]:
+        """The proposed tokens a decoding sequence verifies this step: as many as the budget
+        has room for beside its own token, and no more than could be kept (its max_tokens and
+        the model's length take the bonus token too). Taken: the next step has new ones."""
+        drafts, seq.spec_token_ids = seq.spec_token_ids, []
+        if not drafts or seq.num_tokens - seq.num_computed_tokens != 1:
+            return []
+        room = min(seq.params.max_tokens - seq.num_output_tokens,
+                   self.config.max_model_len - seq.num_tokens) - 1
+        return drafts[: max(0, min(room, budget - 1))]
 
     def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> None:
         """Admit waiting sequences in order, skipping (not dequeuing) those that would
@@ -268,8 +283,12 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # aborted or preempted since it was scheduled
             # a call of k steps computes the first input and the k - 1 tokens fed back after it
-            seq.num_computed_tokens += item.num_new_tokens + output.num_steps - 1
-            self._append_until_stop(seq, sampled.get(seq.request_id, ()))
+            tokens = sampled.get(seq.request_id, ())
+            num_computed = item.num_new_tokens + output.num_steps - 1
+            if item.draft_token_ids:  # the drafts' K/V holds up to the first rejected one
+                num_computed += len(tokens) - 1 - len(item.draft_token_ids)
+            seq.num_computed_tokens += num_computed
+            self._append_until_stop(seq, tokens)
             seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens)
             cache_blocks(seq.request_id, seq.token_ids, seq.num_computed_tokens)
             if seq.is_finished:
@@ -319,6 +338,7 @@ class Scheduler:
         return None
 
     def _preempt(self, seq: Sequence) -> None:
+        seq.spec_token_ids = []
         self.kv.free(seq.request_id)
         self._forget(seq.request_id)
         seq.status = SequenceStatus.WAITING

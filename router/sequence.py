@@ -41,6 +41,9 @@ class Sequence:
     token_ids: list[int] = field(init=False)
     stop_ids: frozenset[int] = field(init=False)
     first_scheduled_time: float | None = None
+    # proposed for the next step (speculative decoding): verified there, never cached unless
+    # accepted; dropped when the sequence is preempted
+    spec_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -66,8 +69,10 @@ class Sequence:
     @property
     def needs_single_steps(self) -> bool:
         """Each step's sampling reads what the step before gave: penalties read the history,
-        and min_tokens masks the stop tokens until the output is long enough."""
-        return self.params.uses_history or self.num_output_tokens < self.params.min_tokens
+        min_tokens masks the stop tokens until the output is long enough, and drafts are
+        verified in a step of their own."""
+        return (self.params.uses_history or self.num_output_tokens < self.params.min_tokens
+                or bool(self.spec_token_ids))
 
     @property
     def is_finished(self) -> bool:

@@ -22,7 +22,9 @@ class InputBatch:
     positions: torch.Tensor  # (T,) int64
     meta: AttentionMetadata
     sample_request_ids: list[str]  # sequences that reach their last token and sample
-    sample_indices: torch.Tensor  # (S,) row of each one's last token in the flat batch
+    sample_indices: torch.Tensor  # (S,) rows of the flat batch sampled at, in their order:
+    # one a sequence, its last token's; 1 + k for a sequence verifying k drafts
+    draft_token_ids: list[list[int]] | None = None  # per sampling sequence, when any has some
 
 
 @dataclass
@@ -154,12 +156,18 @@ def build_input_batch(
     input_ids: list[int] = []
     sample_ids: list[str] = []
     sample_rows: list[int] = []
+    drafts: list[list[int]] = []
     for i, item in enumerate(scheduled):
         token_ids = states[item.request_id].token_ids
-        input_ids += token_ids[starts[i] : seq_lens[i]]
-        if seq_lens[i] == len(token_ids):  # caught up: the last token's logits are sampled
+        draft = item.draft_token_ids
+        known_end = int(seq_lens[i]) - len(draft)  # the drafts follow the known tokens
+        input_ids += token_ids[starts[i] : known_end]
+        input_ids += draft
+        if known_end == len(token_ids):  # caught up: the last token's logits are sampled
             sample_ids.append(item.request_id)
-            sample_rows.append(int(query_start_loc[i + 1]) - 1)
+            last = int(query_start_loc[i + 1]) - 1
+            sample_rows += range(last - len(draft), last + 1)  # and each draft's
+            drafts.append(draft)
     rows = np.repeat(np.arange(len(scheduled)), query_lens)  # (T,) sequence of each token
     positions = np.arange(num_tokens) - query_start_loc[rows] + starts[rows]
     table = block_table_array([states[item.request_id].block_ids for item in scheduled])
@@ -180,4 +188,5 @@ def build_input_batch(
         query_lens_cpu=query_lens.tolist(),
         seq_lens_cpu=seq_lens.tolist(),
     )
-    return InputBatch(ids, pos, meta, sample_ids, sample)
+    return InputBatch(ids, pos, meta, sample_ids, sample,
+                      drafts if any(drafts) else None)

@@ -121,18 +121,37 @@ class Sampler:
         generators: Sequence[torch.Generator | None],
     ) -> torch.Tensor:  # (B,) int64
         # Greedy rows go through with neutral settings; the caller discards their result.
-        active = [spec if not spec.is_greedy else SamplingSpec() for spec in specs]
-        logits = logits / row_values(logits, [s.temperature for s in active])
-        if any(s.min_p > 0 for s in active):
-            logits = apply_min_p(logits, row_values(logits, [s.min_p for s in active]))
-        top_k = [s.top_k if s.top_k > 0 else logits.shape[-1] for s in active]
-        top_p = [s.top_p for s in active]
-        if any(k < logits.shape[-1] for k in top_k) or any(p < 1.0 for p in top_p):
-            logits = apply_top_k_top_p(logits, row_values(logits, top_k), row_values(logits, top_p))
-        probs = logits.softmax(dim=-1)  # (B, V)
+        probs = truncated_probs(logits, specs)
         own = [g if not s.is_greedy else None for g, s in zip(generators, specs, strict=True)]
         needs_shared = any(g is None and not s.is_greedy for g, s in zip(own, specs, strict=True))
         return exponential_race(probs, own, self.generator, needs_shared)
+
+
+def truncated_probs(logits: torch.Tensor, specs: Sequence[SamplingSpec]) -> torch.Tensor:
+    """(B, V) the distribution each row samples from: temperature, min_p, top_k, top_p.
+    Greedy rows get a neutral one (callers use the argmax for them)."""
+    active = [spec if not spec.is_greedy else SamplingSpec() for spec in specs]
+    logits = logits / row_values(logits, [s.temperature for s in active])
+    if any(s.min_p > 0 for s in active):
+        logits = apply_min_p(logits, row_values(logits, [s.min_p for s in active]))
+    top_k = [s.top_k if s.top_k > 0 else logits.shape[-1] for s in active]
+    top_p = [s.top_p for s in active]
+    if any(k < logits.shape[-1] for k in top_k) or any(p < 1.0 for p in top_p):
+        logits = apply_top_k_top_p(logits, row_values(logits, top_k), row_values(logits, top_p))
+    return logits.softmax(dim=-1)
+
+
+def target_probs(logits: torch.Tensor, specs: Sequence[SamplingSpec]) -> torch.Tensor:
+    """(B, V) float32: what each row samples from, a greedy row's as the one-hot of its argmax
+    (speculative verification treats both alike: workers/spec/rejection.py)."""
+    logits = logits.float()
+    is_greedy = [spec.is_greedy for spec in specs]
+    argmax = greedy(logits)
+    one_hot = torch.zeros_like(logits).scatter_(1, argmax.unsqueeze(1), 1.0)
+    if all(is_greedy):
+        return one_hot
+    probs = truncated_probs(logits, specs)
+    return torch.where(torch.tensor(is_greedy, device=logits.device).unsqueeze(1), one_hot, probs)
 
 
 def greedy(logits: torch.Tensor) -> torch.Tensor:

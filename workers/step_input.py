@@ -28,6 +28,9 @@ class ScheduledRequest:
     num_new_tokens: int
     new_token_ids: list[int] = field(default_factory=list)  # appended since the last step
     new_block_ids: list[int] = field(default_factory=list)
+    # speculative tokens after the known ones, the last of the num_new_tokens: verified in
+    # this step (the worker samples at each of them and at the token before)
+    draft_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -49,7 +52,8 @@ TokenLogprobs = list[tuple[int, float]]  # [(token_id, logprob), ...]: sampled t
 @dataclass
 class StepOutput:
     """One row per sequence that reached its last token and sampled: its tokens in step order
-    (one per step of the call), with their logprobs when asked for."""
+    (one per step of the call, or the accepted drafts and one more after a verify step), with
+    their logprobs when asked for."""
 
     request_ids: list[str]
     token_ids: list[list[int]]

@@ -17,6 +17,7 @@ from workers.layers.parallel import TensorParallelGroup
 from workers.loader import load_model
 from workers.request_state import RequestState, TokenHistory
 from workers.sampler import Sampler, SamplerOutput, SamplingSpec
+from workers.spec.verify_step import merge_outputs, verify_rows
 from workers.step_input import (
     NewRequest,
     ScheduledRequest,
@@ -263,6 +264,9 @@ class Worker:
         hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
         if not batch.sample_request_ids:
             return StepOutput([], []) if self.is_driver else None
+        if batch.draft_token_ids is not None:
+            return self._verify_and_read(batch.sample_request_ids, batch.draft_token_ids,
+                                         hidden[batch.sample_indices])
         return self._sample_and_read(batch.sample_request_ids, hidden[batch.sample_indices])
 
     def _execute_decode_steps(self, scheduled: list[ScheduledRequest], num_steps: int,
@@ -347,6 +351,27 @@ class Worker:
         if not self.is_driver:
             return None
         return self._start_read(request_ids, [self._sample(request_ids, logits)]).result()
+
+    def _verify_and_read(self, request_ids: list[str], drafts: list[list[int]],
+                         hidden: torch.Tensor) -> StepOutput | None:
+        """A step with drafts: rows without any sample as ever; rows with some keep the
+        drafts the target agrees with and one token more (workers/spec/verify_step.py)."""
+        logits = self.model.compute_logits(hidden)  # (sum of 1 + k, V); a collective under TP
+        if not self.is_driver:
+            return None
+        starts = np.cumsum([0] + [1 + len(d) for d in drafts])
+        plain = [row for row, d in enumerate(drafts) if not d]
+        spec = [row for row, d in enumerate(drafts) if d]
+        read = None
+        if plain:
+            plain_ids = [request_ids[row] for row in plain]
+            index = torch.tensor([int(starts[row]) for row in plain], device=logits.device)
+            read = self._start_read(plain_ids, [self._sample(plain_ids, logits[index])])
+        states = [self.states[request_ids[row]] for row in spec]
+        pending = verify_rows(logits, [int(starts[row]) for row in spec],
+                              [drafts[row] for row in spec], states, self.sampler.generator)
+        plain_out = read.result() if read is not None else None
+        return merge_outputs(request_ids, plain, plain_out, spec, pending.result())
 
     def _sample(self, request_ids: list[str], logits: torch.Tensor,
                 offset: int = 0) -> SamplerOutput:

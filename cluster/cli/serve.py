@@ -5,6 +5,7 @@ is reported at once, one line per flag.
 """
 
 import argparse
+import json
 import signal
 import socket
 import sys
@@ -13,6 +14,7 @@ import time
 from cluster import environment
 from cluster.engine.config import DEFAULT_MODEL
 from cluster.serve.config import ServeConfig, load_config
+from workers.spec.config import SpeculativeConfig
 
 # ServeConfig field -> (flags, the first is vLLM's where vLLM has one; type; help)
 FLAGS: dict[str, tuple[tuple[str, ...], type, str]] = {
@@ -57,12 +59,14 @@ SWITCHES = {  # ServeConfig field -> (flag, help): --flag / --no-flag
 # vLLM's flags for what tandem does not have yet: refused with a message, never ignored
 NOT_YET = {
     "--kv-cache-dtype": "quantized KV caches are not implemented yet (only 'auto')",
-    "--speculative-config": "speculative decoding is not implemented yet",
-    "--speculative-model": "speculative decoding is not implemented yet",
-    "--num-speculative-tokens": "speculative decoding is not implemented yet",
-    "--speculative-draft-tensor-parallel-size": "speculative decoding is not implemented yet",
 }
 ACCEPTED = {"--kv-cache-dtype": "auto"}  # the one value of those flags that is today's behaviour
+# vLLM's older speculative flags -> speculative_config's keys (--speculative-config is the JSON)
+SPECULATIVE_FLAGS = {
+    "--speculative-model": ("model", str),
+    "--num-speculative-tokens": ("num_speculative_tokens", int),
+    "--speculative-draft-tensor-parallel-size": ("draft_tensor_parallel_size", int),
+}
 
 
 def dest(flag: str) -> str:
@@ -83,6 +87,11 @@ def add_serve_command(subparsers: argparse._SubParsersAction) -> None:
                         help="the same as --no-enable-prefix-caching")
     for flag, reason in NOT_YET.items():
         parser.add_argument(flag, dest=dest(flag), help=f"not yet: {reason}")
+    parser.add_argument("--speculative-config", help="speculative decoding as JSON, vLLM's "
+                        "keys: '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}'")
+    for flag, (key, kind) in SPECULATIVE_FLAGS.items():
+        parser.add_argument(flag, dest=dest(flag), type=kind,
+                            help=f"vLLM's older flag: speculative_config's {key!r}")
     parser.add_argument("--throughput-optimized", action=argparse.BooleanOptionalAction,
                         default=None, help="Ray Serve's throughput-optimized mode: HTTP reaches "
                         "the ingress replicas without Serve's proxy actor (default: on, or "
@@ -101,7 +110,38 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
     values = {f: getattr(args, f) for f in [*FLAGS, *SWITCHES] if getattr(args, f) is not None}
     if args.model_name:
         values["model"] = args.model_name
+    values["speculative_config"] = speculative_config(args)
     return load_config(values, names=flag_names())
+
+
+def speculative_config(args: argparse.Namespace) -> dict | None:
+    """--speculative-config's JSON with the older flags' keys in it, checked now (a bad one
+    would otherwise fail in every replica at start-up)."""
+    config: dict = {}
+    if args.speculative_config is not None:
+        try:
+            config = json.loads(args.speculative_config)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"--speculative-config: not JSON ({error.msg})") from None
+        if not isinstance(config, dict):
+            raise ValueError("--speculative-config: give a JSON object")
+    for flag, (key, _) in SPECULATIVE_FLAGS.items():
+        value = getattr(args, dest(flag))
+        if value is None:
+            continue
+        if key in config and config[key] != value:
+            raise ValueError(f"{flag} {value!r} contradicts --speculative-config's {key!r}")
+        config[key] = value
+    if config.get("model") == "[ngram]":  # vLLM's older way to ask for prompt lookup
+        config.pop("model")
+        config["method"] = "ngram"
+    if not config:
+        return None
+    try:
+        SpeculativeConfig.from_dict(config)
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"--speculative-config: {error}") from None
+    return config
 
 
 def flag_names() -> dict[str, str]:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from cluster import environment
+from workers.spec.config import SpeculativeConfig
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 AUTO_GPU_DECODE_STEPS = 8  # tokens per host round trip; a request waits at most this many
@@ -75,6 +76,9 @@ class EngineConfig:
     cache_dir: str = option(lambda: str(environment.cache_dir()), "where catalog models are "
                             "pulled and converted", shown="$TANDEM_CACHE_DIR or ~/.cache/tandem")
     seed: int = option(0, "the sampler's seed for requests without their own")
+    speculative_config: dict | None = option(None, "speculative decoding in vLLM's keys, e.g. "
+                                             "`{\"method\": \"ngram\", "
+                                             "\"num_speculative_tokens\": 4}`", shown="off")
 
     def __post_init__(self) -> None:
         checks = [
@@ -122,6 +126,13 @@ class EngineConfig:
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+        _ = self.speculation  # its own checks, with their messages
+
+    @property
+    def speculation(self) -> SpeculativeConfig | None:
+        if self.speculative_config is None:
+            return None
+        return SpeculativeConfig.from_dict(self.speculative_config)
 
     @property
     def executor_backend(self) -> str:

@@ -21,6 +21,7 @@ from cluster.engine.output_processor import (
     make_tracker,
 )
 from cluster.engine.outputs import EngineStats, RequestDelta, RequestOutput, part_ids
+from cluster.engine.speculation import Speculator
 from cluster.engine.step_builder import StepBuilder
 from cluster.engine.tokenizer import Message, apply_chat_template, eos_token_ids, load_tokenizer
 from kvstore.kv_cache_manager import KVCacheManager
@@ -97,6 +98,8 @@ class LLMEngine:
         self.seq_to_request: dict[str, str] = {}
         self._ids = itertools.count()
         self.metrics = EngineMetrics()
+        speculation = config.speculation
+        self.speculator = None if speculation is None else Speculator(speculation, self.metrics)
         freeze_start_up_objects()  # full collections would walk all of the above each time
 
     # -- requests ---------------------------------------------------------------------------
@@ -156,6 +159,8 @@ class LLMEngine:
             if seq is not None:
                 finish_completion(completion, seq)
             self.seq_to_request.pop(seq_id, None)
+            if self.speculator is not None:
+                self.speculator.forget([seq_id])
         self.metrics.on_finish("abort", time.monotonic() - tracker.metrics.arrival_time)
 
     def has_unfinished(self) -> bool:
@@ -188,7 +193,9 @@ class LLMEngine:
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty and not scheduled.released_ids:
             return []
+        started = time.perf_counter()
         result = self.executor.execute(self.step_builder.build(scheduled))
+        seconds = time.perf_counter() - started
         sampled = dict(zip(result.request_ids, result.token_ids, strict=True))
         self.metrics.batch_size = len(scheduled.scheduled)
         scheduled_seqs = {item.seq.request_id: item.seq for item in scheduled.scheduled}
@@ -222,6 +229,10 @@ class LLMEngine:
             if seq_id in finished:
                 finish_completion(completion, finished[seq_id])
                 self._record_finish(tracker, finished[seq_id], now)
+        if self.speculator is not None:
+            self.speculator.observe(scheduled, sampled, seconds)
+            self.speculator.forget(finished)
+            self.speculator.propose(self.scheduler.running)
         return list(touched.values())
 
     def _drop_finished(self, trackers: list[RequestTracker]) -> None:
@@ -272,6 +283,9 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions,
             kv_blocks_used=kv.num_used_blocks, kv_blocks_total=kv.num_blocks,
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            spec_decode_num_drafts=self.metrics.spec_decode_drafts,
+            spec_decode_num_draft_tokens=self.metrics.spec_decode_draft_tokens,
+            spec_decode_num_accepted_tokens=self.metrics.spec_decode_accepted_tokens,
         )
 
     def metrics_snapshot(self) -> MetricsSnapshot:
@@ -283,6 +297,7 @@ class LLMEngine:
             stats.prefix_cache_hits, stats.num_running, stats.num_waiting, m.batch_size,
             stats.kv_blocks_used, stats.kv_blocks_total, m.spec_decode_drafts,
             m.spec_decode_draft_tokens, m.spec_decode_accepted_tokens,
+            tuple(m.spec_decode_accepted_per_position),
         )
 
     def shutdown(self) -> None:

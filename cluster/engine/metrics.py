@@ -56,6 +56,7 @@ class MetricsSnapshot:
     spec_decode_drafts: int = 0
     spec_decode_draft_tokens: int = 0
     spec_decode_accepted_tokens: int = 0
+    spec_decode_accepted_per_position: tuple[int, ...] = ()  # kept drafts by their place
 
 
 @dataclass
@@ -71,6 +72,7 @@ class EngineMetrics:
     spec_decode_drafts: int = 0
     spec_decode_draft_tokens: int = 0
     spec_decode_accepted_tokens: int = 0
+    spec_decode_accepted_per_position: list[int] = field(default_factory=list)
 
     def on_first_token(self, num_prompt_tokens: int, ttft: float, queue_time: float) -> None:
         self.prompt_tokens += num_prompt_tokens

@@ -72,6 +72,9 @@ class EngineStats:
     kv_blocks_total: int
     num_running: int
     num_waiting: int
+    spec_decode_num_drafts: int = 0  # verify steps of a sequence with drafts
+    spec_decode_num_draft_tokens: int = 0  # drafts verified
+    spec_decode_num_accepted_tokens: int = 0  # of which kept
 
 
 @dataclass

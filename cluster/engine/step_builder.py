@@ -43,7 +43,8 @@ class StepBuilder:
                 new_blocks = item.new_block_ids
             sent[request_id] = len(token_ids)
             scheduled.append(ScheduledRequest(
-                request_id, seq.num_computed_tokens, item.num_new_tokens, new_tokens, new_blocks
+                request_id, seq.num_computed_tokens, item.num_new_tokens, new_tokens, new_blocks,
+                item.draft_token_ids,
             ))
         return StepInput(new_requests, scheduled, list(output.released_ids), output.num_steps,
                          output.lookahead)

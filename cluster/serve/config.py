@@ -6,7 +6,7 @@ field; inside, the engine gets a plain ``EngineConfig``.
 
 import json
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -60,6 +60,8 @@ class ServeConfig(BaseModel):
                                    "serving: arrivals drop most lookaheads, and W3 measured "
                                    "lower HTTP throughput with it.")
     seed: int = Field(0, description="Seed of the engines' random state.")
+    speculative_config: dict[str, Any] | None = Field(None, description="Speculative decoding, "
+                                                      "in vLLM's keys (EngineConfig's).")
     routing: Literal["prefix-affinity", "least-loaded", "round-robin"] = Field(
         "prefix-affinity", description="How a request finds its replica: where its prefix is "
         "cached (with a load guard), the fewest requests in flight, or in turn.")
@@ -99,6 +101,7 @@ class ServeConfig(BaseModel):
             seed=self.seed, enable_chunked_prefill=self.enable_chunked_prefill,
             scheduler_delay_factor=self.scheduler_delay_factor,
             gpu_memory_utilization=self.gpu_memory_utilization,
+            speculative_config=self.speculative_config,
         )
 
     def curl_example(self) -> str:

@@ -66,6 +66,7 @@ METRIC_NAMES = (
     + [PREFIX + name + "_total" for name in [*COUNTERS, "request_success"]]
     + [PREFIX + name for name in [*GAUGES, "kv_cache_usage_perc", "prefix_cache_hit_rate"]]
     + [PREFIX + name for name in ROUTER_METRICS]
+    + [PREFIX + "spec_decode_num_accepted_tokens_per_pos_total"]
 )
 
 
@@ -80,6 +81,17 @@ def histogram_buckets(histogram: Histogram) -> list[tuple[str, float]]:
 
 
 class ReplicaCollector(Collector):
+    @staticmethod
+    def _accepted_per_position(labels: list[list[str]],
+                               snapshots: list[MetricsSnapshot]) -> Metric:
+        counter = CounterMetricFamily(
+            PREFIX + "spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by "
+            "their position among a step's drafts (0: the first).", labels=[*LABELS, "position"])
+        for label, snap in zip(labels, snapshots, strict=True):
+            for position, count in enumerate(snap.spec_decode_accepted_per_position):
+                counter.add_metric([*label, str(position)], count)
+        return counter
+
     def __init__(self, model_name: str,
                  fetch: Callable[[], Sequence[MetricsSnapshot]]) -> None:
         self.model_name = model_name
@@ -103,6 +115,7 @@ class ReplicaCollector(Collector):
                 counter.add_metric(label, getattr(snap, field))
             yield counter
         yield self._success(labels, [snap for _, snap in snapshots])
+        yield self._accepted_per_position(labels, [snap for _, snap in snapshots])
         for name, (field, doc) in GAUGES.items():
             gauge = GaugeMetricFamily(PREFIX + name, doc, labels=LABELS)
             for label, (_, snap) in zip(labels, snapshots, strict=True):

@@ -1,10 +1,13 @@
 """`tandem serve`'s flags, vLLM's names and meanings: each one reaches the engine's config;
 flags of features tandem does not have yet are refused, never ignored."""
 
+import json
+
 import pytest
 
 from cluster.cli.main import build_parser
 from cluster.cli.serve import serve_config
+from workers.spec.config import SpeculativeConfig
 
 
 def config_of(*flags):
@@ -57,15 +60,38 @@ def test_the_brief_s_command_line_is_accepted():
 
 def test_flags_of_features_not_there_yet_are_refused_with_the_reason():
     with pytest.raises(ValueError) as error:
-        config_of("--kv-cache-dtype", "int8", "--speculative-model", "draft",
-                  "--num-speculative-tokens", "4")
+        config_of("--kv-cache-dtype", "int8")
     assert str(error.value) == (
         "not supported:\n"
-        "  --kv-cache-dtype: quantized KV caches are not implemented yet (only 'auto')\n"
-        "  --speculative-model: speculative decoding is not implemented yet\n"
-        "  --num-speculative-tokens: speculative decoding is not implemented yet")
-    with pytest.raises(ValueError, match="--speculative-config: speculative decoding"):
-        config_of("--speculative-config", '{"method": "ngram"}')
+        "  --kv-cache-dtype: quantized KV caches are not implemented yet (only 'auto')")
+
+
+def test_speculative_flags_reach_the_engine_config():
+    ngram = {"method": "ngram", "num_speculative_tokens": 3}
+    assert config_of("--speculative-config", json.dumps(ngram)).engine_config().speculation == (
+        SpeculativeConfig(method="ngram", num_speculative_tokens=3))
+    older = config_of("--speculative-model", "[ngram]", "--num-speculative-tokens", "5")
+    assert older.engine_config().speculative_config == {"method": "ngram",
+                                                        "num_speculative_tokens": 5}
+    assert config_of().engine_config().speculation is None
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--speculative-config", "{method: ngram}"],
+     "--speculative-config: not JSON (Expecting property name enclosed in double quotes)"),
+    (["--speculative-config", "[1]"], "--speculative-config: give a JSON object"),
+    (["--speculative-config", '{"num_speculative_tokens": 4}', "--num-speculative-tokens", "2"],
+     "--num-speculative-tokens 2 contradicts --speculative-config's 'num_speculative_tokens'"),
+    (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 0}'],
+     "--speculative-config: num_speculative_tokens must be in [1, 8], got 0"),
+    (["--speculative-model", "qwen2.5-coder-0.5b-instruct"],
+     "--speculative-config: draft-model speculation is not built yet: use {\"method\": "
+     "\"ngram\"}"),
+])
+def test_bad_speculative_flags_are_refused_with_the_reason(flags, message):
+    with pytest.raises(ValueError) as error:
+        config_of(*flags)
+    assert str(error.value) == message
 
 
 def test_without_chunked_prefill_the_context_must_fit_one_step():

@@ -59,7 +59,8 @@ class FakeCluster:
         return [MetricsSnapshot(**snapshot, prompt_tokens=5, generation_tokens=7 + r,
                                 finished_requests={"stop": 1}, preemptions=0,
                                 prefix_cache_queries=5, prefix_cache_hits=0, num_running=r,
-                                num_waiting=0, batch_size=r, kv_blocks_used=r, kv_blocks_total=8)
+                                num_waiting=0, batch_size=r, kv_blocks_used=r, kv_blocks_total=8,
+                                spec_decode_accepted_per_position=(3 + r, 1))
                 for r in range(2)]
 
     async def router_stats(self):
@@ -180,6 +181,9 @@ def test_metrics_label_every_replica():
     in_flight = families["tandem:router_requests_in_flight"].samples
     assert {s.labels["replica"]: s.value for s in in_flight} == {"0": 2.0, "1": 0.0}
     assert [s.value for s in families["tandem:kv_directory_blocks"].samples] == [12.0]
+    per_position = families["tandem:spec_decode_num_accepted_tokens_per_pos"].samples
+    assert {(s.labels["replica"], s.labels["position"]): s.value for s in per_position} == {
+        ("0", "0"): 3.0, ("0", "1"): 1.0, ("1", "0"): 4.0, ("1", "1"): 1.0}
 
 
 def test_histogram_buckets_are_cumulative():

@@ -1,0 +1,82 @@
+"""Speculative decoding in the engine: drafts proposed between steps, what verification kept
+counted, and how many drafts each sequence tries next (router/speculation.py).
+
+Prompt lookup proposes on the host from the sequence's own tokens, so a draft is only a
+scheduled token to the workers: under tensor parallelism, preemption (drafts dropped), chunked
+prefill (a prompt drafts nothing) and prefix hits nothing else changes.
+"""
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Protocol
+
+from cluster.engine.metrics import EngineMetrics
+from router.scheduler import SchedulerOutput
+from router.sequence import Sequence as Seq
+from router.speculation import DraftLength
+from workers.spec.config import SpeculativeConfig
+from workers.spec.ngram import ngram_drafts
+
+
+def can_speculate(seq: Seq) -> bool:
+    """Decoding, and nothing its sampling reads that drafts would change: penalties (the
+    history), logprobs (reported for sampled tokens only) or min_tokens still masking."""
+    params = seq.params
+    return (seq.num_tokens - seq.num_computed_tokens == 1 and not params.uses_history
+            and params.logprobs is None and seq.num_output_tokens >= params.min_tokens)
+
+
+class Proposer(Protocol):
+    def propose(self, seq: Seq, num_drafts: int) -> list[int]:
+        """Up to ``num_drafts`` guesses of the tokens after ``seq.token_ids``."""
+        ...
+
+
+class NgramProposer:
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.min_n, self.max_n = config.prompt_lookup_min, config.prompt_lookup_max
+
+    def propose(self, seq: Seq, num_drafts: int) -> list[int]:
+        return ngram_drafts(seq.token_ids, num_drafts, self.min_n, self.max_n)
+
+
+class Speculator:
+    def __init__(self, config: SpeculativeConfig, metrics: EngineMetrics) -> None:
+        self.config = config
+        self.metrics = metrics
+        self.lengths = DraftLength(config.num_speculative_tokens, config.adaptive)
+        self.proposer: Proposer = NgramProposer(config)
+
+    def propose(self, running: Sequence[Seq]) -> None:
+        """Sets each running sequence's drafts for the next step."""
+        batch = len(running)
+        for seq in running:
+            if not can_speculate(seq):
+                continue
+            k = self.lengths.choose(seq.request_id, batch)
+            if k:
+                seq.spec_token_ids = self.proposer.propose(seq, k)
+
+    def observe(self, output: SchedulerOutput, sampled: Mapping[str, Sequence[int]],
+                seconds: float) -> None:
+        """A step's verify results, and its cost when it was one of decodes and verifies."""
+        metrics, decodes_only = self.metrics, True
+        for item in output.scheduled:
+            drafts = item.draft_token_ids
+            decodes_only &= item.num_new_tokens - len(drafts) == 1 and not item.is_new
+            if not drafts or item.seq.request_id not in sampled:
+                continue
+            kept = len(sampled[item.seq.request_id]) - 1
+            metrics.spec_decode_drafts += 1
+            metrics.spec_decode_draft_tokens += len(drafts)
+            metrics.spec_decode_accepted_tokens += kept
+            per_position = metrics.spec_decode_accepted_per_position
+            per_position.extend([0] * (len(drafts) - len(per_position)))
+            for position in range(kept):
+                per_position[position] += 1
+            self.lengths.record(item.seq.request_id, len(drafts), kept)
+        if decodes_only and output.num_steps == 1 and output.scheduled:
+            self.lengths.cost.add(sum(item.num_new_tokens for item in output.scheduled), seconds)
+
+    def forget(self, request_ids: Iterable[str]) -> None:
+        for request_id in request_ids:
+            self.lengths.forget(request_id)

@@ -1,0 +1,188 @@
+"""Speculative decoding: greedy output equals transformers', token for token, whatever the
+drafts (prompt lookup's, or an oracle's that knows the answer, corrupted at will); sampled
+output keeps its seed; the counters add up."""
+
+import random
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from cluster import LLM, SamplingParams
+from kvstore.block_hash import hash_block_tokens
+
+LOOP = [7, 8, 9, 10, 11, 12]
+PROMPTS = [
+    LOOP * 5,  # copy-heavy: lookup finds long matches
+    [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4],
+    list(range(40, 72)) + list(range(40, 50)),  # a suffix that occurred earlier
+    [11],
+]
+MAX_TOKENS = 24
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_models):
+    hf = AutoModelForCausalLM.from_pretrained(tiny_models["llama"], dtype=torch.float32)
+    return [hf.generate(torch.tensor([p]), max_new_tokens=MAX_TOKENS, do_sample=False,
+                        attention_mask=torch.ones(1, len(p), dtype=torch.long))[0, len(p):].tolist()
+            for p in PROMPTS]
+
+
+def ngram(k: int, adaptive: bool = False, **extra) -> dict:
+    return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1,
+            "prompt_lookup_max": 3, "adaptive": adaptive, **extra}
+
+
+def run(folder, prompts=PROMPTS, params=GREEDY, **engine_args):
+    llm = LLM(str(folder), device="cpu", dtype="float32", block_size=4, **engine_args)
+    outputs = llm.generate(prompts, params)
+    kv = llm.engine.scheduler.kv
+    kv.check_integrity()
+    assert kv.num_used_blocks == 0
+    return llm, [out.token_ids for out in outputs]
+
+
+class Oracle:
+    """Proposes the expected continuation, each token replaced by a wrong one with
+    probability ``wrong`` (seeded): acceptance is then known."""
+
+    def __init__(self, prompts, continuations, wrong=0.0, seed=0):
+        self.answers = {tuple(p): c for p, c in zip(prompts, continuations, strict=True)}
+        self.wrong, self.rng = wrong, random.Random(seed)
+
+    def propose(self, seq, num_drafts):
+        answer = self.answers[tuple(seq.prompt_token_ids)]
+        start = seq.num_output_tokens
+        return [t if self.rng.random() >= self.wrong else (t + 1) % 1000
+                for t in answer[start : start + num_drafts]]
+
+
+def run_with(folder, proposer, prompts=PROMPTS, params=GREEDY, **engine_args):
+    llm = LLM(str(folder), device="cpu", dtype="float32", block_size=4, **engine_args)
+    llm.engine.speculator.proposer = proposer
+    outputs = llm.generate(prompts, params)
+    llm.engine.scheduler.kv.check_integrity()
+    return llm, [out.token_ids for out in outputs]
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 4, 5])
+def test_greedy_equals_transformers_for_every_k(tiny_models, expected, k):
+    llm, tokens = run(tiny_models["llama"], num_kv_blocks=256, speculative_config=ngram(k))
+    assert tokens == expected
+    stats = llm.stats()
+    assert stats.spec_decode_num_drafts > 0
+    assert stats.spec_decode_num_draft_tokens <= k * stats.spec_decode_num_drafts
+    # drafts that are all right are all kept: k + 1 tokens a verify step
+    llm, tokens = run_with(tiny_models["llama"], Oracle(PROMPTS, expected), num_kv_blocks=256,
+                           speculative_config=ngram(k))
+    assert tokens == expected
+    stats = llm.stats()
+    assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens > 0
+    # after the prefill's token, each verify step makes k + 1 (the last one fewer; a last
+    # token alone is a plain step, with no room for a draft)
+    assert stats.spec_decode_num_drafts == len(PROMPTS) * -(-(MAX_TOKENS - 2) // (k + 1))
+    # and drafts that are all wrong are all rejected, the output the same
+    llm, tokens = run_with(tiny_models["llama"], Oracle(PROMPTS, expected, wrong=1.0),
+                           num_kv_blocks=256, speculative_config=ngram(k))
+    assert tokens == expected
+    assert llm.stats().spec_decode_num_accepted_tokens == 0
+
+
+def test_acceptance_follows_the_share_of_right_drafts(tiny_models, expected):
+    llm, tokens = run_with(tiny_models["llama"], Oracle(PROMPTS, expected, wrong=0.3, seed=1),
+                           num_kv_blocks=256, speculative_config=ngram(3))
+    assert tokens == expected
+    stats = llm.stats()
+    rate = stats.spec_decode_num_accepted_tokens / stats.spec_decode_num_draft_tokens
+    assert 0.25 < rate < 0.75  # a draft is kept when it and those before it are right
+    per_position = llm.engine.metrics.spec_decode_accepted_per_position
+    assert per_position[0] >= per_position[1] >= per_position[2] > 0
+
+
+def test_greedy_equals_transformers_under_chunks_preemption_and_prefix_hits(tiny_models,
+                                                                           expected):
+    # 24 blocks of 4 tokens for four sequences of up to 54: someone is always preempted
+    llm, tokens = run_with(tiny_models["llama"], Oracle(PROMPTS, expected, wrong=0.2),
+                           num_kv_blocks=24, max_num_batched_tokens=16,
+                           speculative_config=ngram(4))
+    assert tokens == expected
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.stats().spec_decode_num_accepted_tokens > 0
+    again = [out.token_ids for out in llm.generate(PROMPTS, GREEDY)]
+    assert again == expected
+    assert llm.stats().prefix_cache_hits > 0
+    llm.engine.scheduler.kv.check_integrity()
+
+
+def tokens_of(tiny_models):
+    return run(tiny_models["llama"], num_kv_blocks=256)[1]
+
+
+def test_no_draft_token_is_ever_cached(tiny_models):
+    """Every cached block's hash is the hash of verified tokens: those of some sequence's
+    final output (a rejected draft in a cached block would make a hash nobody produced)."""
+    llm, tokens = run_with(tiny_models["llama"], Oracle(PROMPTS, tokens_of(tiny_models), 0.5),
+                           num_kv_blocks=256, speculative_config=ngram(5))
+    assert llm.stats().spec_decode_num_accepted_tokens > 0
+    kv = llm.engine.scheduler.kv
+    produced = set()
+    for prompt, output in zip(PROMPTS, tokens, strict=True):
+        full, parent = prompt + output, None
+        for start in range(0, len(full) - 3, 4):
+            parent = hash_block_tokens(parent, full[start : start + 4], kv.extra_keys)
+            produced.add(parent)
+    cached = set(kv.cached_hashes())
+    assert cached and cached <= produced
+
+
+def test_seeded_sampling_repeats_and_counts_add_up(tiny_models):
+    params = SamplingParams(temperature=0.8, top_k=20, seed=5, max_tokens=MAX_TOKENS)
+    llm_a, first = run(tiny_models["llama"], params=params, num_kv_blocks=256,
+                       speculative_config=ngram(3))
+    _, second = run(tiny_models["llama"], params=params, num_kv_blocks=256,
+                    speculative_config=ngram(3))
+    assert first == second
+    assert all(len(t) == MAX_TOKENS for t in first)
+
+
+def test_rows_with_logprobs_or_penalties_do_not_draft(tiny_models):
+    params = [SamplingParams(temperature=0.0, max_tokens=12, logprobs=1),
+              SamplingParams(temperature=0.0, max_tokens=12, repetition_penalty=1.3)]
+    llm, tokens = run(tiny_models["llama"], prompts=PROMPTS[:2], params=params,
+                      num_kv_blocks=256, speculative_config=ngram(4))
+    _, plain = run(tiny_models["llama"], prompts=PROMPTS[:2], params=params, num_kv_blocks=256)
+    assert tokens == plain
+    assert llm.stats().spec_decode_num_drafts == 0
+
+
+@pytest.mark.parametrize("config, message", [
+    ({"method": "eagle"}, "speculative method must be one of ngram, draft_model, got 'eagle'"),
+    ({"num_speculative_tokens": 9}, "num_speculative_tokens must be in [1, 8], got 9"),
+    ({"prompt_lookup_min": 3, "prompt_lookup_max": 2},
+     "prompt_lookup_max (2) must be at least prompt_lookup_min (3)"),
+    ({"lookup": 2}, "unknown speculative_config keys: lookup (known: adaptive, "
+     "draft_tensor_parallel_size, method, model, num_speculative_tokens, placement, "
+     "prompt_lookup_max, prompt_lookup_min)"),
+])
+def test_bad_speculative_configs_are_refused_at_start_up(tiny_models, config, message):
+    with pytest.raises(ValueError) as error:
+        LLM(str(tiny_models["llama"]), device="cpu", speculative_config=config)
+    assert str(error.value) == message
+
+
+@pytest.mark.ray
+def test_tensor_parallel_2_verifies_the_same_tokens(ray_session, tiny_models, expected):
+    """Drafts are scheduled tokens: every rank computes them, rank 0 verifies."""
+    llm = LLM(str(tiny_models["llama"]), device="cpu", block_size=4, num_kv_blocks=128,
+              tensor_parallel_size=2, distributed_executor_backend="ray",
+              speculative_config=ngram(3))
+    try:
+        llm.engine.speculator.proposer = Oracle(PROMPTS, expected, wrong=0.3)
+        outputs = llm.generate(PROMPTS, GREEDY)
+        assert [out.token_ids for out in outputs] == expected
+        assert llm.stats().spec_decode_num_accepted_tokens > 0
+        llm.engine.scheduler.kv.check_integrity()
+    finally:
+        llm.engine.shutdown()

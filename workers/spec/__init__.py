@@ -1,0 +1,1 @@
+"""Speculative decoding's math: proposals (n-gram lookup) and their exact verification."""

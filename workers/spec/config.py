@@ -1,0 +1,57 @@
+"""What ``speculative_config`` asks for, in vLLM's keys, checked once at start-up."""
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+MAX_SPECULATIVE_TOKENS = 8  # a verify step of 1 + 8 tokens a row; more rarely pays
+METHODS = ("ngram", "draft_model")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str = "ngram"  # ngram (prompt lookup) | draft_model
+    num_speculative_tokens: int = 4  # the most draft tokens a row verifies in one step
+    prompt_lookup_min: int = 1  # ngram: the shortest suffix that may match
+    prompt_lookup_max: int = 4  # ngram: the longest
+    model: str | None = None  # draft_model: a catalog name or a folder
+    draft_tensor_parallel_size: int = 1
+    placement: str = "worker"  # worker | actor
+    adaptive: bool = True
+
+    def __post_init__(self) -> None:
+        k = self.num_speculative_tokens
+        checks = [
+            (self.method in METHODS,
+             f"speculative method must be one of {', '.join(METHODS)}, got {self.method!r}"),
+            (1 <= k <= MAX_SPECULATIVE_TOKENS,
+             f"num_speculative_tokens must be in [1, {MAX_SPECULATIVE_TOKENS}], got {k}"),
+            (self.prompt_lookup_min >= 1,
+             f"prompt_lookup_min must be at least 1, got {self.prompt_lookup_min}"),
+            (self.prompt_lookup_max >= self.prompt_lookup_min,
+             f"prompt_lookup_max ({self.prompt_lookup_max}) must be at least prompt_lookup_min "
+             f"({self.prompt_lookup_min})"),
+            (self.placement in ("worker", "actor"),
+             f"placement must be 'worker' or 'actor', got {self.placement!r}"),
+            (self.method != "draft_model" or self.model is not None,
+             "method 'draft_model' needs a draft 'model'"),
+            # said plainly rather than ignored: only prompt lookup proposes so far
+            (self.method != "draft_model",
+             "draft-model speculation is not built yet: use {\"method\": \"ngram\"}"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> "SpeculativeConfig":
+        """vLLM's ``speculative_config``: a draft ``model`` without a ``method`` is a draft
+        model; unknown keys are refused by name."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown speculative_config keys: {', '.join(unknown)} (known: "
+                             f"{', '.join(sorted(known))})")
+        values = dict(values)
+        if "method" not in values:
+            values["method"] = "draft_model" if values.get("model") else "ngram"
+        return cls(**values)

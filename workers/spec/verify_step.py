@@ -1,0 +1,77 @@
+"""The worker's half of a verify step: the target's logits at each row's token and drafts in,
+the kept tokens out, with one read of them to the host."""
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from workers.request_state import RequestState
+from workers.sampler import target_probs
+from workers.spec.rejection import verify
+from workers.step_input import StepOutput
+
+
+@dataclass
+class PendingTokens:
+    """The kept tokens of the verified rows, on their way to the host."""
+
+    tokens: torch.Tensor  # (B, k+1), -1 after each row's last
+    counts: torch.Tensor  # (B,)
+    copied: "torch.cuda.Event | None"
+
+    def result(self) -> list[list[int]]:
+        if self.copied is not None:
+            self.copied.synchronize()
+        counts = self.counts.tolist()
+        return [row[:count] for row, count in zip(self.tokens.tolist(), counts, strict=True)]
+
+
+def verify_rows(logits: torch.Tensor, starts: Sequence[int], drafts: Sequence[list[int]],
+                states: Sequence[RequestState],
+                shared: torch.Generator | None) -> PendingTokens:
+    """``logits`` (S, V): row r's 1 + k_r positions start at ``starts[r]`` (the token before
+    its first draft, then each draft). Rows are padded to the longest k (the padding is never
+    accepted: ``verify`` reads each row's own count)."""
+    device = logits.device
+    k = max(len(d) for d in drafts)
+    batch, vocab = len(drafts), logits.shape[-1]
+    index = [[start + min(j, len(d)) for j in range(k + 1)]
+             for start, d in zip(starts, drafts, strict=True)]
+    rows = logits[torch.tensor(index, device=device).view(-1)]  # (B * (k+1), V)
+    specs = [state.spec for state in states for _ in range(k + 1)]
+    probs = target_probs(rows, specs).view(batch, k + 1, vocab)
+    draft_ids = torch.tensor([d + [0] * (k - len(d)) for d in drafts], device=device)
+    num_drafts = torch.tensor([len(d) for d in drafts], device=device)
+    generators = [state.generator_for_next_token() for state in states]
+    tokens, counts = verify(probs, draft_ids, num_drafts, None, generators, shared)
+    host_tokens, host_counts = to_host(tokens), to_host(counts)
+    event = None
+    if tokens.is_cuda:
+        event = torch.cuda.Event()
+        event.record()
+    return PendingTokens(host_tokens, host_counts, event)
+
+
+def to_host(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to("cpu", non_blocking=True)
+
+
+def merge_outputs(request_ids: list[str], plain: list[int], plain_out: StepOutput | None,
+                  spec: list[int], spec_tokens: list[list[int]]) -> StepOutput:
+    """One StepOutput in the batch's order. Verified rows never ask for logprobs (the engine
+    proposes no drafts for them), so theirs are empty placeholders, one a token."""
+    token_ids: list[list[int]] = [[] for _ in request_ids]
+    logprobs = None
+    if plain_out is not None and plain_out.logprobs is not None:
+        logprobs = [[] for _ in request_ids]
+    if plain_out is not None:
+        for at, row in enumerate(plain):
+            token_ids[row] = plain_out.token_ids[at]
+            if logprobs is not None and plain_out.logprobs is not None:
+                logprobs[row] = plain_out.logprobs[at]
+    for at, row in enumerate(spec):
+        token_ids[row] = spec_tokens[at]
+        if logprobs is not None:
+            logprobs[row] = [[] for _ in spec_tokens[at]]
+    return StepOutput(request_ids, token_ids, logprobs)
