@@ -5,6 +5,7 @@ import argparse
 
 from cluster.bench.serve_bench import add_serve_bench_parser
 from cluster.bench.shapes import SHAPES
+from cluster.bench.speculative import add_speculative_parser
 
 
 def common_arguments(parser: argparse.ArgumentParser) -> None:
@@ -139,4 +140,5 @@ def add_bench_parsers(subparsers: argparse._SubParsersAction) -> None:
     prefix.set_defaults(handler=run_prefix)
 
     add_serve_bench_parser(workloads)  # W3: cluster/bench/serve_bench.py (serving owns it)
+    add_speculative_parser(workloads, common_arguments)  # W5: cluster/bench/speculative.py
     add_tp_scaling_parser(workloads)  # W7: cluster/bench/tp_scaling.py

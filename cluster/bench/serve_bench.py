@@ -1,24 +1,36 @@
 """`tandem bench serve` — W3, online serving: the same load through the HTTP API and in-process.
 
-A load is fixed concurrency (C requests always in flight) or Poisson arrivals (rate r/s).
-Each request streams; we time the first token (TTFT), every later chunk (ITL), the end
-(e2e), and TPOT = (e2e - TTFT) / (output tokens - 1). Goodput counts requests per second
-that meet TTFT < 200 ms and TPOT < 20 ms. The in-process run drives ``TandemCluster``
-directly, the HTTP run goes through Ray Serve and the OpenAI API: their ratio is the cost of
-serving.
+A load is fixed concurrency (C requests always in flight), Poisson arrivals (rate r/s), or both
+(arrivals at r/s, at most C in flight: vLLM's --request-rate with --max-concurrency). Each
+request streams; we time the first token (TTFT), every later chunk (ITL), the end (e2e), and
+TPOT = (e2e - TTFT) / (output tokens - 1). Goodput counts requests per second that meet
+TTFT < 200 ms and TPOT < 20 ms. The in-process run drives ``TandemCluster`` directly, the HTTP
+run goes through Ray Serve and the OpenAI API: their ratio is the cost of serving.
+
+With ``--base-url`` nothing starts here: the HTTP run alone goes to that OpenAI-compatible
+server (tandem, vLLM, SGLang). The flags and the result keys are vLLM's `vllm bench serve`'s
+(cluster/bench/vllm_results.py), so one command line measures each server the same way.
 """
 
 import argparse
 import asyncio
 import json
+import math
 import random
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from cluster import environment
+from cluster.bench.vllm_results import result_file_name, traffic_keys, vllm_metrics
 
 SLO_TTFT_S, SLO_TPOT_S = 0.200, 0.020
+DEFAULT_MODEL = "smollm2-135m-instruct"
+DEFAULT_CONCURRENCIES = "1,8,32,128"
+# Random prompt token ids stay below this: every real vocabulary is bigger, so the prompts are
+# valid for a server whose model we don't know (--base-url); locally, min(vocab, this).
+SAFE_VOCAB = 10000
 
 
 @dataclass
@@ -48,12 +60,24 @@ Send = Callable[[list[int], int], Awaitable[Timing]]
 
 @dataclass(frozen=True)
 class Load:
-    concurrency: int | None = None  # fixed concurrency, or
-    rate: float | None = None  # Poisson arrivals per second
+    """Fixed concurrency, Poisson arrivals, or arrivals capped at a concurrency."""
+
+    concurrency: int | None = None  # requests in flight at most (None: no cap)
+    rate: float | None = None  # Poisson arrivals per second (None or inf: all at once)
 
     @property
     def name(self) -> str:
-        return f"concurrency {self.concurrency}" if self.concurrency else f"{self.rate:g} req/s"
+        parts = [f"{self.rate:g} req/s"] if self.rate else []
+        return ", ".join(parts + ([f"concurrency {self.concurrency}"] if self.concurrency else []))
+
+    @property
+    def valid(self) -> bool:
+        return ((self.concurrency is None or self.concurrency >= 1)
+                and (self.rate is None or self.rate > 0))
+
+    @property
+    def paced(self) -> bool:
+        return self.rate is not None and math.isfinite(self.rate)
 
 
 def make_prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -74,25 +98,33 @@ async def run_load(send: Send, prompts: list[list[int]], output_len: int, load: 
     tasks = []
     for prompt in prompts:
         tasks.append(asyncio.create_task(one(prompt)))
-        if load.rate:
+        if load.paced:
             await asyncio.sleep(rng.expovariate(load.rate))
     timings = await asyncio.gather(*tasks)
     return list(timings), time.perf_counter() - start
 
 
-def summarize(timings: list[Timing], seconds: float) -> dict:
+def summarize(timings: list[Timing], seconds: float, input_lens: list[int], load: Load) -> dict:
+    """vLLM's keys (cluster/bench/vllm_results.py), and beside them tandem's own."""
+    return (vllm_metrics(timings, seconds, input_lens)
+            | traffic_keys(load.concurrency, load.rate) | tandem_summary(timings, seconds))
+
+
+def tandem_summary(timings: list[Timing], seconds: float) -> dict:
+    """Nearest-rank percentiles in seconds, and goodput at the SLO above."""
     from cluster.bench.engine_runs import percentiles
 
-    tpots = [t.tpot for t in timings if t.tpot is not None]
-    good = [t for t in timings if t.ttft < SLO_TTFT_S and (t.tpot or 0.0) < SLO_TPOT_S]
+    finished = [t for t in timings if t.chunk_times]
+    tpots = [t.tpot for t in finished if t.tpot is not None]
+    good = [t for t in finished if t.ttft < SLO_TTFT_S and (t.tpot or 0.0) < SLO_TPOT_S]
     output_tokens = sum(t.output_tokens for t in timings)
     return {
         "requests": len(timings), "seconds": seconds, "output_tokens": output_tokens,
         "output_tokens_per_s": output_tokens / seconds, "requests_per_s": len(timings) / seconds,
         "goodput_requests_per_s": len(good) / seconds,
-        "ttft_s": percentiles([t.ttft for t in timings]), "tpot_s": percentiles(tpots),
-        "itl_s": percentiles([x for t in timings for x in t.itls]),
-        "e2e_s": percentiles([t.end - t.start for t in timings]),
+        "ttft_s": percentiles([t.ttft for t in finished]), "tpot_s": percentiles(tpots),
+        "itl_s": percentiles([x for t in finished for x in t.itls]),
+        "e2e_s": percentiles([t.end - t.start for t in finished]),
     }
 
 
@@ -166,7 +198,7 @@ async def run_loads(send: Send, args: argparse.Namespace, loads: list[Load],
         count = args.num_requests or max(8 * (load.concurrency or 8), 32)
         prompts = make_prompts(count, args.input_len, vocab, seed=args.seed + index)
         timings, seconds = await run_load(send, prompts, args.output_len, load, args.seed)
-        results[load.name] = summarize(timings, seconds)
+        results[load.name] = summarize(timings, seconds, [len(p) for p in prompts], load)
         print(f"  {load.name}: {results[load.name]['output_tokens_per_s']:.1f} output tok/s")
     return results
 
@@ -175,58 +207,127 @@ async def run_loads(send: Send, args: argparse.Namespace, loads: list[Load],
 
 
 def add_serve_bench_parser(workloads: argparse._SubParsersAction) -> None:
-    parser = workloads.add_parser("serve", help="W3: online serving, HTTP vs in-process")
-    model = parser.add_mutually_exclusive_group()
-    model.add_argument("--model", default="smollm2-135m-instruct",
-                       help="catalog name or HF folder (default: %(default)s)")
-    model.add_argument("--shape", help="a real architecture with random weights "
-                       "(see `tandem bench latency --help`)")
-    parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--device", default="auto")
-    parser.add_argument("--tp", type=int, default=1)
-    parser.add_argument("--replicas", type=int, default=1)
-    parser.add_argument("--ingress-replicas", type=int, default=0,
-                        help="HTTP ingress replicas in front of the same engines (default: 0, "
-                        "auto: 4 on a GPU, 1 on the CPU)")
-    parser.add_argument("--max-num-seqs", type=int, default=128)
-    parser.add_argument("--num-kv-blocks", type=int)
-    parser.add_argument("--decode-lookahead", action="store_true",
-                        help="multi-step calls also run the next call's first step")
-    parser.add_argument("--input-len", type=int, default=1024)
-    parser.add_argument("--output-len", type=int, default=128)
-    parser.add_argument("--concurrency", default="1,8,32,128",
-                        help="comma-separated fixed concurrencies ('' for none)")
-    parser.add_argument("--request-rate", default="",
-                        help="comma-separated Poisson arrival rates in requests/s")
-    parser.add_argument("--num-requests", type=int, default=0,
-                        help="per load (default: 8 x concurrency, at least 32)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--output", help="JSON path (default: bench-results/serve-<time>.json)")
+    parser = workloads.add_parser(
+        "serve", help="W3: online serving, HTTP vs in-process, or any server with --base-url",
+        description="vLLM's `vllm bench serve` flags: --dataset-name random, "
+        "--random-input-len, --random-output-len, --num-prompts, --request-rate, "
+        "--max-concurrency, --save-result, --result-dir, --base-url.")
+    add_load_arguments(parser)
+    add_target_arguments(parser)
+    add_result_arguments(parser)
+    add_local_arguments(parser.add_argument_group("the local cluster (without --base-url)"))
     parser.set_defaults(handler=serve_bench)
 
 
+def random_dataset_only(name: str) -> str:
+    if name != "random":
+        raise argparse.ArgumentTypeError(
+            f"only 'random' is supported (random token ids), not {name!r}")
+    return name
+
+
+def add_load_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--dataset-name", type=random_dataset_only, default="random",
+                        help="prompts: 'random' (random token ids; the only one supported)")
+    parser.add_argument("--random-input-len", "--input-len", dest="input_len", type=int,
+                        metavar="N", default=1024,
+                        help="prompt tokens a request (default: %(default)s)")
+    parser.add_argument("--random-output-len", "--output-len", dest="output_len", type=int,
+                        metavar="N", default=128,
+                        help="output tokens a request, EOS ignored (default: %(default)s)")
+    parser.add_argument("--num-prompts", "--num-requests", dest="num_requests", type=int,
+                        metavar="N", default=0,
+                        help="requests a load (default: 8 x concurrency, at least 32)")
+    parser.add_argument("--max-concurrency", "--concurrency", dest="concurrency", metavar="C,..",
+                        help="comma-separated caps on requests in flight ('' for none); "
+                        f"with neither this nor --request-rate: {DEFAULT_CONCURRENCIES}")
+    parser.add_argument("--request-rate", default="", metavar="R,..",
+                        help="comma-separated Poisson arrival rates in requests/s, 'inf' for "
+                        "all at once; with --max-concurrency each rate is capped at each "
+                        "concurrency (vLLM's meaning)")
+    parser.add_argument("--seed", type=int, default=0, help="of the prompts and the arrivals")
+
+
+def add_target_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--base-url", metavar="URL",
+                        help="an OpenAI-compatible server (tandem, vLLM, SGLang), e.g. "
+                        "http://127.0.0.1:8000: only its /v1/completions is measured, nothing "
+                        "starts here")
+    parser.add_argument("--served-model-name", help="with --base-url: the model name sent "
+                        "(default: --model, else the first id of GET /v1/models)")
+    parser.add_argument("--api-key", help="with --base-url: sent as 'Authorization: Bearer'")
+    model = parser.add_mutually_exclusive_group()
+    model.add_argument("--model", help=f"catalog name or HF folder (default: {DEFAULT_MODEL}); "
+                       "with --base-url: the model name sent")
+    model.add_argument("--shape", help="a real architecture with random weights "
+                       "(see `tandem bench latency --help`)")
+
+
+def add_result_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--save-result", action="store_true",
+                        help="name the JSON as vLLM does, <label>-<rate>qps[-concurrency<c>]-"
+                        "<model>-<time>.json, in --result-dir (the JSON is always written)")
+    parser.add_argument("--result-dir", help="folder of the vLLM-named JSON (default: the "
+                        "current folder)")
+    parser.add_argument("--output", help="JSON path (default: bench-results/serve-<time>.json, "
+                        "or the vLLM name with --save-result / --result-dir)")
+    parser.add_argument("--plot", metavar="FILE.png", help="draw TTFT, TPOT and output "
+                        "throughput against the loads (needs matplotlib)")
+
+
+def add_local_arguments(group: argparse._ArgumentGroup) -> None:
+    group.add_argument("--dtype", default="auto", help="(default: %(default)s)")
+    group.add_argument("--device", default="auto", help="cpu | cuda | auto")
+    group.add_argument("--tp", type=int, default=1, help="tensor parallel size")
+    group.add_argument("--replicas", type=int, default=1, help="engine replicas")
+    group.add_argument("--ingress-replicas", type=int, default=0,
+                       help="HTTP ingress replicas in front of the same engines (default: 0, "
+                       "auto: 4 on a GPU, 1 on the CPU)")
+    group.add_argument("--max-num-seqs", type=int, default=128, help="(default: %(default)s)")
+    group.add_argument("--num-kv-blocks", type=int, help="(default: as memory allows)")
+    group.add_argument("--decode-lookahead", action="store_true",
+                       help="multi-step calls also run the next call's first step")
+
+
 def parse_loads(args: argparse.Namespace) -> list[Load]:
-    loads = [Load(concurrency=int(c)) for c in args.concurrency.split(",") if c.strip()]
-    loads += [Load(rate=float(r)) for r in args.request_rate.split(",") if r.strip()]
-    if not loads or any((lo.concurrency or 1) < 1 or (lo.rate or 1) <= 0 for lo in loads):
-        raise ValueError("give at least one --concurrency >= 1 or --request-rate > 0")
+    """Either flag alone: one load a value. Both: every rate capped at every concurrency, as
+    vLLM reads the pair. Neither: the default concurrencies."""
+    rates = [float(r) for r in args.request_rate.split(",") if r.strip()]
+    given = DEFAULT_CONCURRENCIES if args.concurrency is None and not rates else args.concurrency
+    caps = [int(c) for c in (given or "").split(",") if c.strip()]
+    if rates and caps:
+        loads = [Load(concurrency=c, rate=r) for r in rates for c in caps]
+    else:
+        loads = [Load(concurrency=c) for c in caps] + [Load(rate=r) for r in rates]
+    if not loads or not all(load.valid for load in loads):
+        raise ValueError("give at least one --max-concurrency >= 1 or --request-rate > 0")
     return loads
 
 
 def serve_bench(args: argparse.Namespace) -> int:
     loads = parse_loads(args)
+    if args.plot:
+        from cluster.bench.plots import pyplot
+
+        pyplot()  # a missing matplotlib fails now, not after the run
+    if args.base_url:
+        return asyncio.run(_bench_base_url(args, loads))
     # as `tandem serve` runs it (the Ray instance below starts with this environment)
     environment.set_serve_throughput_optimized(None)
     return asyncio.run(_serve_bench(args, loads))
 
 
-async def _serve_bench(args: argparse.Namespace, loads: list[Load]) -> int:
-    import socket
-
+def _httpx():  # type: ignore[no-untyped-def]
     try:  # the openai client of this venv brings httpx2; elsewhere plain httpx is there
         import httpx2 as httpx
     except ImportError:
         import httpx
+    return httpx
+
+
+async def _serve_bench(args: argparse.Namespace, loads: list[Load]) -> int:
+    import socket
+
     import ray
     from ray import serve
 
@@ -236,6 +337,8 @@ async def _serve_bench(args: argparse.Namespace, loads: list[Load]) -> int:
     from cluster.serve.config import load_config
     from workers.loader import load_config as load_hf_config
 
+    httpx = _httpx()
+    args.model = args.model or DEFAULT_MODEL
     if args.shape:
         from cluster.bench.shapes import build_random_model
         args.model = str(build_random_model(args.shape, environment.cache_dir() / "bench-models"))
@@ -250,7 +353,7 @@ async def _serve_bench(args: argparse.Namespace, loads: list[Load]) -> int:
     ray.init(include_dashboard=False, ignore_reinit_error=True)
     print("in-process: TandemCluster.generate, no HTTP")
     cluster = await asyncio.to_thread(TandemCluster, config.engine_config(), config.num_replicas)
-    vocab = min(load_hf_config(cluster.model_path).vocab_size, 10000)
+    vocab = min(load_hf_config(cluster.model_path).vocab_size, SAFE_VOCAB)
     in_process = await run_loads(in_process_sender(cluster), args, loads, vocab)
     await asyncio.to_thread(cluster.shutdown)
 
@@ -267,9 +370,87 @@ async def _serve_bench(args: argparse.Namespace, loads: list[Load]) -> int:
     record = {"workload": "serve", "config": vars(args) | {"handler": None},
               "environment": machine_facts(_device(config.engine_config().resolved_device)),
               "in_process": in_process, "http": http}
-    published = publish(record, table(loads, in_process, http), args.output)
+    paths = {"in-process": in_process, "http": http}
+    published = publish(record, table(loads, paths),
+                        result_path(args, "tandem", config.model_name, http))
+    if args.plot:
+        write_plot(args.plot, paths)
     serve.shutdown()  # after the figures are out: it can take Serve tens of seconds
     return 0 if published else 1
+
+
+# -- any OpenAI-compatible server ---------------------------------------------------------------
+
+
+async def _bench_base_url(args: argparse.Namespace, loads: list[Load]) -> int:
+    from cluster.bench.report import publish
+
+    httpx = _httpx()
+    base_url = api_root(args.base_url)
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    # no read timeout (a long generation is no fault), but a host that never answers is one
+    async with httpx.AsyncClient(base_url=base_url, headers=headers, limits=limits,
+                                 timeout=httpx.Timeout(None, connect=10.0)) as client:
+        try:
+            model = args.served_model_name or args.model or await first_model_id(client)
+            print(f"http: {base_url}/v1/completions, model {model}, streaming")
+            http = await run_loads(http_sender(client, model), args, loads, SAFE_VOCAB)
+        except httpx.HTTPError as error:
+            raise ValueError(f"--base-url {base_url}: {one_line(error)}") from None
+    record = base_url_record(args, base_url, model, http)
+    published = publish(record, table(loads, {"http": http}),
+                        result_path(args, "openai", model, http))
+    if args.plot:
+        write_plot(args.plot, {model: http})
+    return 0 if published else 1
+
+
+def api_root(url: str) -> str:
+    """The server's root: OpenAI clients are often given .../v1, vLLM's --base-url is not."""
+    return url.rstrip("/").removesuffix("/v1")
+
+
+async def first_model_id(client) -> str:  # type: ignore[no-untyped-def]
+    response = await client.get("/v1/models")
+    response.raise_for_status()
+    models = response.json().get("data") or []
+    if not models:
+        raise ValueError("GET /v1/models listed no model: give --served-model-name")
+    return models[0]["id"]
+
+
+def one_line(error: Exception) -> str:
+    text = str(error).splitlines()
+    return text[0] if text else type(error).__name__
+
+
+def base_url_record(args: argparse.Namespace, base_url: str, model: str,
+                    http: dict[str, dict]) -> dict:
+    """The result file of a --base-url run: each load's results by load name, and with a single
+    load its keys at the top level too, where vLLM's tooling looks for them."""
+    record = {"workload": "serve", "date": time.strftime("%Y%m%d-%H%M%S"), "backend": "openai",
+              "base_url": base_url, "model_id": model, "num_prompts": args.num_requests,
+              "config": vars(args) | {"handler": None}, "http": http}
+    if len(http) == 1:
+        record |= next(iter(http.values()))
+    return record
+
+
+def result_path(args: argparse.Namespace, label: str, model: str,
+                results: dict[str, dict]) -> str | None:
+    """--output, or vLLM's file name in --result-dir; None: publish's default name."""
+    if args.output or not (args.save_result or args.result_dir):
+        return args.output
+    name = result_file_name(label, list(results.values()), model, time.strftime("%Y%m%d-%H%M%S"))
+    return str(Path(args.result_dir or ".") / name)
+
+
+def write_plot(path: str, series: dict[str, dict[str, dict]]) -> None:
+    from cluster.bench.plots import plot_loads
+
+    plot_loads(path, series)
+    print(f"wrote {path}")
 
 
 def _device(name: str):  # type: ignore[no-untyped-def]
@@ -278,7 +459,9 @@ def _device(name: str):  # type: ignore[no-untyped-def]
     return torch.device(name)
 
 
-def table(loads: list[Load], in_process: dict, http: dict) -> str:
+def table(loads: list[Load], paths: dict[str, dict]) -> str:
+    """A row a load and path; with two paths, the second's throughput as a share of the first's
+    (HTTP / in-process: the cost of serving)."""
     from cluster.bench.report import markdown_table
 
     header = ["load", "path", "out tok/s", "HTTP / in-proc", "TTFT p50/p99 ms",
@@ -287,14 +470,18 @@ def table(loads: list[Load], in_process: dict, http: dict) -> str:
     def ms(stats: dict) -> str:
         return "—" if stats["p50"] is None else f"{stats['p50']*1e3:.1f} / {stats['p99']*1e3:.1f}"
 
+    def s(stats: dict) -> str:
+        return "—" if stats["p50"] is None else f"{stats['p50']:.2f} / {stats['p99']:.2f}"
+
     rows = []
     for load in loads:
-        base = in_process[load.name]["output_tokens_per_s"]
-        for path, results in (("in-process", in_process), ("http", http)):
+        base = next(iter(paths.values()))[load.name]["output_tokens_per_s"]
+        for index, (path, results) in enumerate(paths.items()):
             r = results[load.name]
             rows.append([load.name, path, r["output_tokens_per_s"],
-                         f"{r['output_tokens_per_s'] / base:.1%}" if path == "http" else "",
-                         ms(r["ttft_s"]), ms(r["tpot_s"]), ms(r["itl_s"]),
-                         f"{r['e2e_s']['p50']:.2f} / {r['e2e_s']['p99']:.2f}",
+                         f"{r['output_tokens_per_s'] / base:.1%}" if index else "",
+                         ms(r["ttft_s"]), ms(r["tpot_s"]), ms(r["itl_s"]), s(r["e2e_s"]),
                          r["goodput_requests_per_s"]])
+    if len(paths) == 1:  # nothing to compare with: no ratio column
+        header, rows = header[:3] + header[4:], [row[:3] + row[4:] for row in rows]
     return markdown_table(header, rows)
