@@ -297,7 +297,7 @@ class LLMEngine:
             stats.prefix_cache_hits, stats.num_running, stats.num_waiting, m.batch_size,
             stats.kv_blocks_used, stats.kv_blocks_total, m.spec_decode_drafts,
             m.spec_decode_draft_tokens, m.spec_decode_accepted_tokens,
-            tuple(m.spec_decode_accepted_per_position),
+            tuple(m.spec_decode_accepted_per_position), m.spec_decode_speedup,
         )
 
     def shutdown(self) -> None:

@@ -57,6 +57,7 @@ class MetricsSnapshot:
     spec_decode_draft_tokens: int = 0
     spec_decode_accepted_tokens: int = 0
     spec_decode_accepted_per_position: tuple[int, ...] = ()  # kept drafts by their place
+    spec_decode_speedup: float = 1.0  # EngineMetrics.spec_decode_speedup
 
 
 @dataclass
@@ -73,6 +74,15 @@ class EngineMetrics:
     spec_decode_draft_tokens: int = 0
     spec_decode_accepted_tokens: int = 0
     spec_decode_accepted_per_position: list[int] = field(default_factory=list)
+    spec_decode_verify_seconds: float = 0.0  # the steps that verified drafts
+    spec_decode_plain_seconds: float = 0.0  # plain steps' estimated time for the same tokens
+
+    @property
+    def spec_decode_speedup(self) -> float:
+        """Measured: > 1 when speculation made tokens faster than plain steps would have."""
+        if not self.spec_decode_verify_seconds:
+            return 1.0
+        return self.spec_decode_plain_seconds / self.spec_decode_verify_seconds
 
     def on_first_token(self, num_prompt_tokens: int, ttft: float, queue_time: float) -> None:
         self.prompt_tokens += num_prompt_tokens

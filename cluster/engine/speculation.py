@@ -75,7 +75,22 @@ class Speculator:
                 per_position[position] += 1
             self.lengths.record(item.seq.request_id, len(drafts), kept)
         if decodes_only and output.num_steps == 1 and output.scheduled:
-            self.lengths.cost.add(sum(item.num_new_tokens for item in output.scheduled), seconds)
+            num_tokens = sum(item.num_new_tokens for item in output.scheduled)
+            self.lengths.cost.add(num_tokens, seconds)
+            self._time_against_plain(output, sampled, seconds)
+
+    def _time_against_plain(self, output: SchedulerOutput,
+                            sampled: Mapping[str, Sequence[int]], seconds: float) -> None:
+        """The measured speedup: a verify step's time against what plain steps of the same
+        batch would have taken for the tokens it made (from the fitted step cost)."""
+        fitted = self.lengths.cost.fit()
+        if fitted is None or not any(item.draft_token_ids for item in output.scheduled):
+            return
+        a, b = fitted
+        batch = len(output.scheduled)
+        made = sum(len(sampled.get(item.seq.request_id, ())) for item in output.scheduled)
+        self.metrics.spec_decode_plain_seconds += made * (a + b * batch) / batch
+        self.metrics.spec_decode_verify_seconds += seconds
 
     def forget(self, request_ids: Iterable[str]) -> None:
         for request_id in request_ids:

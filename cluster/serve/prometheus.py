@@ -48,6 +48,9 @@ GAUGES = {
     "batch_size": ("batch_size", "Sequences in the last engine step."),
     "kv_cache_blocks_used": ("kv_blocks_used", "KV cache blocks in use."),
     "kv_cache_blocks_total": ("kv_blocks_total", "KV cache blocks in all."),
+    "spec_decode_speedup": ("spec_decode_speedup", "Speculative decoding's measured speedup: "
+                            "plain steps' estimated time for the tokens verify steps made, over "
+                            "their time (1: none yet)."),
 }
 ROUTER_METRICS = {  # name -> help; the router's, from its RouterStats
     "router_decisions_total": "Requests routed, by reason: affinity (a cached prefix), no_match, "

@@ -54,3 +54,4 @@ def test_a_fixed_length_when_not_adaptive_and_the_prior_before_any_step():
     assert fresh.seqs["a"].alpha == PRIOR_ALPHA
     fresh.record("a", num_drafts=3, num_accepted=1)  # kept 1, the 2nd rejected, the 3rd untried
     assert fresh.seqs["a"].alpha == pytest.approx((0.8 * PRIOR_ALPHA + 0.2) * 0.8)
+

@@ -9,7 +9,13 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from cluster import LLM, SamplingParams
+from cluster.engine.metrics import EngineMetrics
+from cluster.engine.speculation import Speculator
 from kvstore.block_hash import hash_block_tokens
+from router.scheduler import ScheduledSequence, SchedulerOutput
+from router.sequence import Sequence
+from tests.router.test_speculation import fitted
+from workers.spec.config import SpeculativeConfig
 
 LOOP = [7, 8, 9, 10, 11, 12]
 PROMPTS = [
@@ -186,3 +192,18 @@ def test_tensor_parallel_2_verifies_the_same_tokens(ray_session, tiny_models, ex
         llm.engine.scheduler.kv.check_integrity()
     finally:
         llm.engine.shutdown()
+
+
+def test_the_engine_measures_speculation_against_plain_steps():
+    metrics = EngineMetrics()
+    speculator = Speculator(SpeculativeConfig(num_speculative_tokens=3), metrics)
+    speculator.lengths.cost = fitted(0.010, 0.001)
+    a, b = (Sequence(r, [1, 2], SamplingParams()) for r in "ab")
+    step = SchedulerOutput([ScheduledSequence(a, 4, [], False, [5, 6, 7]),
+                            ScheduledSequence(b, 1, [], False)])
+    speculator.observe(step, {"a": [5, 6, 9], "b": [4]}, seconds=0.016)
+    assert (metrics.spec_decode_drafts, metrics.spec_decode_draft_tokens,
+            metrics.spec_decode_accepted_tokens) == (1, 3, 2)
+    assert metrics.spec_decode_accepted_per_position == [1, 1, 0]
+    # 4 tokens; a plain step of 2 rows takes ~0.012 s for 2 of them; this step took 0.016
+    assert metrics.spec_decode_speedup == pytest.approx(4 * 0.012 / 2 / 0.016, rel=0.05)
