@@ -1,5 +1,6 @@
-"""`tandem bench {latency,throughput,prefix,serve,tp-scaling}`: the arguments; the work of the
-first three is in commands.py, serve's in serve_bench.py, tp-scaling's in tp_scaling.py."""
+"""`tandem bench {latency,throughput,prefix,serve,speculative,tp-scaling}`: the arguments; the
+work of the first three is in commands.py, serve's in serve_bench.py (its load in
+serve_load.py), speculative's in speculative.py, tp-scaling's in tp_scaling.py."""
 
 import argparse
 

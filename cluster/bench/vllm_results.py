@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:
-    from cluster.bench.serve_bench import Timing
+    from cluster.bench.serve_load import Timing
 
 
 def latency_stats(name: str, seconds: list[float]) -> dict[str, float]:

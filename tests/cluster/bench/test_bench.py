@@ -94,7 +94,7 @@ def test_hf_label_says_whether_it_did_the_requests_own_work():
 
 
 def test_serve_bench_reads_chunk_times_and_usage_from_raw_events():
-    from cluster.bench.serve_bench import Timing, read_event
+    from cluster.bench.serve_load import Timing, read_event
 
     timing = Timing(start=0.0)
     events = [b'data: {"id":"c","choices":[{"index":0,"text":"Hi"}]}',
@@ -115,7 +115,7 @@ def test_serve_bench_warms_each_load_up_before_measuring_it():
     import argparse
     import asyncio
 
-    from cluster.bench.serve_bench import Load, Timing, run_loads
+    from cluster.bench.serve_load import Load, Timing, run_loads
 
     sent: list[tuple[int, int]] = []
 

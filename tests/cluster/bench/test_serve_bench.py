@@ -11,15 +11,8 @@ import sys
 import pytest
 
 from cluster.bench import plots
-from cluster.bench.serve_bench import (
-    Load,
-    Timing,
-    api_root,
-    base_url_record,
-    parse_loads,
-    run_load,
-    run_loads,
-)
+from cluster.bench.serve_bench import api_root, base_url_record, parse_loads
+from cluster.bench.serve_load import Load, Timing, run_load, run_loads
 from cluster.bench.vllm_results import (
     latency_stats,
     result_file_name,

@@ -1,0 +1,189 @@
+"""W3's load: requests sent at a fixed concurrency, at Poisson arrivals or both, through a
+sender (in-process ``TandemCluster.generate`` or streamed HTTP), each one timed: the first
+token (TTFT), every later chunk (ITL), the end (e2e), TPOT = (e2e - TTFT) / (output - 1)."""
+
+import argparse
+import asyncio
+import json
+import math
+import random
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+from cluster.bench.vllm_results import traffic_keys, vllm_metrics
+
+SLO_TTFT_S, SLO_TPOT_S = 0.200, 0.020
+# Random prompt token ids stay below this: every real vocabulary is bigger, so the prompts are
+# valid for a server whose model we don't know (--base-url); locally, min(vocab, this).
+SAFE_VOCAB = 10000
+
+
+@dataclass
+class Timing:
+    start: float
+    chunk_times: list[float] = field(default_factory=list)  # when output arrived
+    end: float = 0.0
+    output_tokens: int = 0
+
+    @property
+    def ttft(self) -> float:
+        return self.chunk_times[0] - self.start
+
+    @property
+    def tpot(self) -> float | None:
+        if self.output_tokens < 2:
+            return None
+        return (self.end - self.chunk_times[0]) / (self.output_tokens - 1)
+
+    @property
+    def itls(self) -> list[float]:
+        return [b - a for a, b in zip(self.chunk_times, self.chunk_times[1:], strict=False)]
+
+
+Send = Callable[[list[int], int], Awaitable[Timing]]
+
+
+@dataclass(frozen=True)
+class Load:
+    """Fixed concurrency, Poisson arrivals, or arrivals capped at a concurrency."""
+
+    concurrency: int | None = None  # requests in flight at most (None: no cap)
+    rate: float | None = None  # Poisson arrivals per second (None or inf: all at once)
+
+    @property
+    def name(self) -> str:
+        parts = [f"{self.rate:g} req/s"] if self.rate else []
+        return ", ".join(parts + ([f"concurrency {self.concurrency}"] if self.concurrency else []))
+
+    @property
+    def valid(self) -> bool:
+        return ((self.concurrency is None or self.concurrency >= 1)
+                and (self.rate is None or self.rate > 0))
+
+    @property
+    def paced(self) -> bool:
+        return self.rate is not None and math.isfinite(self.rate)
+
+
+def make_prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)  # distinct random prompts: no accidental prefix hits
+    return [[rng.randrange(vocab) for _ in range(length)] for _ in range(count)]
+
+
+async def run_load(send: Send, prompts: list[list[int]], output_len: int, load: Load,
+                   seed: int) -> tuple[list[Timing], float]:
+    rng = random.Random(seed)
+    gate = asyncio.Semaphore(load.concurrency or len(prompts))
+
+    async def one(prompt: list[int]) -> Timing:
+        async with gate:
+            return await send(prompt, output_len)
+
+    start = time.perf_counter()
+    tasks = []
+    for prompt in prompts:
+        tasks.append(asyncio.create_task(one(prompt)))
+        if load.paced:
+            await asyncio.sleep(rng.expovariate(load.rate))
+    timings = await asyncio.gather(*tasks)
+    return list(timings), time.perf_counter() - start
+
+
+def summarize(timings: list[Timing], seconds: float, input_lens: list[int], load: Load) -> dict:
+    """vLLM's keys (cluster/bench/vllm_results.py), and beside them tandem's own."""
+    return (vllm_metrics(timings, seconds, input_lens)
+            | traffic_keys(load.concurrency, load.rate) | tandem_summary(timings, seconds))
+
+
+def tandem_summary(timings: list[Timing], seconds: float) -> dict:
+    """Nearest-rank percentiles in seconds, and goodput at the SLO above."""
+    from cluster.bench.engine_runs import percentiles
+
+    finished = [t for t in timings if t.chunk_times]
+    tpots = [t.tpot for t in finished if t.tpot is not None]
+    good = [t for t in finished if t.ttft < SLO_TTFT_S and (t.tpot or 0.0) < SLO_TPOT_S]
+    output_tokens = sum(t.output_tokens for t in timings)
+    return {
+        "requests": len(timings), "seconds": seconds, "output_tokens": output_tokens,
+        "output_tokens_per_s": output_tokens / seconds, "requests_per_s": len(timings) / seconds,
+        "goodput_requests_per_s": len(good) / seconds,
+        "ttft_s": percentiles([t.ttft for t in finished]), "tpot_s": percentiles(tpots),
+        "itl_s": percentiles([x for t in finished for x in t.itls]),
+        "e2e_s": percentiles([t.end - t.start for t in finished]),
+    }
+
+
+# -- the two ways in ----------------------------------------------------------------------------
+
+
+def in_process_sender(cluster) -> Send:  # type: ignore[no-untyped-def]
+    from router.sampling_params import SamplingParams
+
+    counter = iter(range(1 << 62))
+
+    async def send(prompt: list[int], output_len: int) -> Timing:
+        params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+        timing, seen = Timing(time.perf_counter()), 0
+        async for out in cluster.generate(prompt, params, f"bench-{next(counter)}"):
+            if len(out.token_ids) > seen:
+                timing.chunk_times.append(time.perf_counter())
+                seen = len(out.token_ids)
+        timing.end, timing.output_tokens = time.perf_counter(), seen
+        return timing
+
+    return send
+
+
+def http_sender(client, model: str) -> Send:  # type: ignore[no-untyped-def]
+    """Streams /v1/completions. The client must cost little per chunk, or the benchmark
+    measures itself: events are split from the raw bytes, and only the rare ones that can end
+    a choice or carry the usage are parsed as JSON."""
+
+    async def send(prompt: list[int], output_len: int) -> Timing:
+        body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0.0,
+                "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+        timing, pending = Timing(time.perf_counter()), b""
+        async with client.stream("POST", "/v1/completions", json=body) as response:
+            response.raise_for_status()
+            async for data in response.aiter_raw():
+                now = time.perf_counter()
+                *events, pending = (pending + data).split(b"\n\n")
+                for item in events:
+                    read_event(item, now, timing)
+        timing.end = time.perf_counter()
+        return timing
+
+    return send
+
+
+def read_event(item: bytes, now: float, timing: Timing) -> None:
+    """One SSE event of a completion stream: a chunk with output marks a chunk time."""
+    if not item.startswith(b"data: {"):
+        return  # [DONE], comments, keep-alives
+    if b'"finish_reason"' not in item and b'"usage"' not in item:
+        timing.chunk_times.append(now)  # an ordinary chunk of text (None fields are left out)
+        return
+    chunk = json.loads(item[6:])
+    choice = (chunk.get("choices") or [{}])[0]
+    if choice.get("text"):
+        timing.chunk_times.append(now)
+    if chunk.get("usage"):
+        timing.output_tokens = chunk["usage"]["completion_tokens"]
+
+
+async def run_loads(send: Send, args: argparse.Namespace, loads: list[Load],
+                    vocab: int) -> dict[str, dict]:
+    results = {}
+    for index, load in enumerate(loads):
+        # a short run of the same load first: the batch shapes it reaches (prefill chunks mixed
+        # with decodes, graph buckets) meet their Triton compiles and cuBLAS setup there, not
+        # in the measured run — which would otherwise penalize whichever path runs first
+        warm = make_prompts(load.concurrency or 8, args.input_len, vocab, seed=-1 - index)
+        await run_load(send, warm, min(16, args.output_len), load, args.seed)
+        count = args.num_requests or max(8 * (load.concurrency or 8), 32)
+        prompts = make_prompts(count, args.input_len, vocab, seed=args.seed + index)
+        timings, seconds = await run_load(send, prompts, args.output_len, load, args.seed)
+        results[load.name] = summarize(timings, seconds, [len(p) for p in prompts], load)
+        print(f"  {load.name}: {results[load.name]['output_tokens_per_s']:.1f} output tok/s")
+    return results
