@@ -17,12 +17,15 @@ SPECS = {
     "llama": (LlamaConfig, dict(vocab_size=1001, tie_word_embeddings=False, rope_theta=500000.0)),
     "qwen2": (Qwen2Config, dict(vocab_size=999, tie_word_embeddings=False)),
     "qwen3": (Qwen3Config, dict(vocab_size=1003, head_dim=32, tie_word_embeddings=True)),
+    # an unrelated draft for "llama" (speculative decoding): its vocabulary, one layer
+    "llama-draft": (LlamaConfig, dict(vocab_size=1001, num_hidden_layers=1,
+                                      tie_word_embeddings=False)),
 }
 
 
 def build_tiny_model(name: str, folder: Path) -> Path:
     config_cls, extra = SPECS[name]
-    config = config_cls(**COMMON, **extra)
+    config = config_cls(**{**COMMON, **extra})
     torch.manual_seed(sum(map(ord, name)))
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.save_pretrained(folder / name)

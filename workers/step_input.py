@@ -58,3 +58,5 @@ class StepOutput:
     request_ids: list[str]
     token_ids: list[list[int]]
     logprobs: list[list[TokenLogprobs]] | None = None  # per row, per token
+    # a draft model's proposals for each row's next step (speculative decoding), if it has one
+    draft_token_ids: list[list[int]] | None = None

@@ -47,6 +47,8 @@ class WorkerConfig:
     gpu_fraction: float = 1.0  # the share of its GPU a shard actor asks Ray for
     seed: int = 0
     max_model_len: int | None = None  # the longest sequence; None: the model's own length
+    draft_model_path: str | None = None  # speculative decoding's draft model, beside the target
+    num_speculative_tokens: int = 0  # drafts it proposes a row
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -161,8 +163,14 @@ class Worker:
         self.kv_caches: KVCaches = []
         self.graphs = None  # DecodeGraphs once captured (GPU, Triton; every rank or none)
         self.lookahead: Lookahead | None = None  # the next call's first step, already run
+        self.draft = None  # DraftModel: it must see every step, so no graphs beside it yet
+        if config.draft_model_path is not None:
+            from workers.spec.draft_model import DraftModel
+
+            self.draft = DraftModel(config.draft_model_path, self.dtype, self.device, backend,
+                                    config.num_speculative_tokens, config.block_size)
         self.uses_graphs = (self.device.type == "cuda" and not config.enforce_eager
-                            and backend.name == "triton")
+                            and backend.name == "triton" and self.draft is None)
 
     def _use_device(self) -> None:
         """Makes this worker's GPU the calling thread's current device. Triton launches, graph
@@ -180,7 +188,7 @@ class Worker:
         self._use_device()
         block_bytes = kv_bytes_per_block(
             self.hf_config, self.tp.size, self.config.block_size, self.dtype
-        )
+        ) + (self.draft.bytes_per_block() if self.draft is not None else 0)
         if self.device.type != "cuda":
             return max(1, self.config.cpu_kv_cache_bytes // block_bytes)
         torch.cuda.synchronize(self.device)
@@ -218,6 +226,8 @@ class Worker:
         model_len = self.config.max_model_len or self.hf_config.max_position_embeddings
         max_model_len = min(model_len, num_blocks * self.config.block_size)
         self.model.build_rotary_table(max_model_len)
+        if self.draft is not None:
+            self.draft.build_rotary_table(max_model_len)
         if self.uses_graphs:  # the same on every rank: config, backend and device type
             from workers.cuda_graphs import DecodeGraphs, capture_on_every_rank
 
@@ -236,6 +246,8 @@ class Worker:
             self.hf_config, self.tp.size, num_blocks, self.config.block_size, self.dtype,
             self.device,
         )
+        if self.draft is not None:
+            self.draft.allocate(num_blocks)
 
     @torch.inference_mode()
     def execute(self, step: StepInput) -> StepOutput | None:
@@ -252,6 +264,8 @@ class Worker:
         if not step.scheduled:
             return StepOutput([], []) if self.is_driver else None
         if step.num_steps > 1:
+            if self.draft is not None:
+                raise ValueError("num_steps > 1 with a draft model: it must see every step")
             return self._execute_decode_steps(step.scheduled, step.num_steps, step.lookahead,
                                               lookahead)
         if self.graphs is not None:
@@ -262,12 +276,19 @@ class Worker:
         batch = build_input_batch(step.scheduled, self.states, self.config.block_size,
                                   self.device)
         hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
+        if self.draft is not None:
+            self.draft.follow(batch)
         if not batch.sample_request_ids:
             return StepOutput([], []) if self.is_driver else None
         if batch.draft_token_ids is not None:
-            return self._verify_and_read(batch.sample_request_ids, batch.draft_token_ids,
-                                         hidden[batch.sample_indices])
-        return self._sample_and_read(batch.sample_request_ids, hidden[batch.sample_indices])
+            output = self._verify_and_read(batch.sample_request_ids, batch.draft_token_ids,
+                                           hidden[batch.sample_indices])
+        else:
+            output = self._sample_and_read(batch.sample_request_ids, hidden[batch.sample_indices])
+        if self.draft is not None and output is not None:
+            states = [self.states[request_id] for request_id in output.request_ids]
+            output.draft_token_ids = self.draft.propose(states, output.token_ids)
+        return output
 
     def _execute_decode_steps(self, scheduled: list[ScheduledRequest], num_steps: int,
                               run_lookahead: bool = False,

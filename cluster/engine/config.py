@@ -126,7 +126,10 @@ class EngineConfig:
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
-        _ = self.speculation  # its own checks, with their messages
+        speculation = self.speculation  # its own checks, with their messages
+        if speculation is not None and speculation.model and self.tensor_parallel_size > 1:
+            raise ValueError("a draft model with tensor_parallel_size > 1 is not built yet "
+                             "(prompt lookup works at any size)")
 
     @property
     def speculation(self) -> SpeculativeConfig | None:
@@ -142,6 +145,9 @@ class EngineConfig:
 
     @property
     def resolved_decode_steps(self) -> int:
+        speculation = self.speculation
+        if speculation is not None and speculation.model:
+            return 1  # a draft model follows every step the target runs
         if self.decode_steps:
             return self.decode_steps
         return 1 if self.resolved_device == "cpu" else AUTO_GPU_DECODE_STEPS

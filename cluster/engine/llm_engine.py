@@ -9,6 +9,8 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from transformers import PretrainedConfig
+
 from cluster.engine.config import EngineConfig
 from cluster.engine.executor import Executor, UniExecutor
 from cluster.engine.kv_events import KVEventPublisher
@@ -37,6 +39,10 @@ Prompt = str | list[int]
 
 
 def worker_config(config: EngineConfig, folder: Path) -> WorkerConfig:
+    speculation = config.speculation
+    draft = None
+    if speculation is not None and speculation.model is not None:
+        draft = str(resolve_model(speculation.model, config.cache_dir))
     return WorkerConfig(
         model_path=str(folder), device=config.resolved_device, dtype=config.dtype,
         block_size=config.block_size, attention_backend=config.attention_backend,
@@ -46,7 +52,8 @@ def worker_config(config: EngineConfig, folder: Path) -> WorkerConfig:
         max_num_seqs=config.max_num_seqs, enforce_eager=config.enforce_eager,
         symmetric_all_reduce=config.symmetric_all_reduce, max_model_len=config.max_model_len,
         peer_sum_kernel=config.peer_sum_kernel, cpu_threads=config.cpu_threads,
-        gpu_fraction=config.gpu_fraction,
+        gpu_fraction=config.gpu_fraction, draft_model_path=draft,
+        num_speculative_tokens=speculation.num_speculative_tokens if draft else 0,
     )
 
 
@@ -56,6 +63,17 @@ def make_executor(config: EngineConfig, folder: Path) -> Executor:
 
         return RayExecutor(worker_config(config, folder), config.tensor_parallel_size)
     return UniExecutor(worker_config(config, folder))
+
+
+def check_draft_model(folder: Path, target: PretrainedConfig) -> None:
+    """A draft must speak the target's tokens: the same vocabulary and token ids."""
+    draft = load_config(folder)
+    if draft.vocab_size != target.vocab_size:
+        raise ValueError(f"the draft model's vocabulary ({draft.vocab_size} tokens) differs from "
+                         f"the target's ({target.vocab_size}): it must share the tokenizer")
+    if getattr(draft, "eos_token_id", None) != getattr(target, "eos_token_id", None):
+        raise ValueError(f"the draft model's eos_token_id ({draft.eos_token_id}) differs from "
+                         f"the target's ({target.eos_token_id}): it must share the tokenizer")
 
 
 class LLMEngine:
@@ -69,6 +87,9 @@ class LLMEngine:
         self.vocab_size = hf_config.vocab_size
         self.tokenizer = load_tokenizer(self.model_path)
         self.eos_token_ids = eos_token_ids(self.model_path, self.tokenizer)
+        speculation = config.speculation
+        if speculation is not None and speculation.model is not None:
+            check_draft_model(resolve_model(speculation.model, config.cache_dir), hf_config)
         self.executor = executor or make_executor(config, self.model_path)
         num_blocks = config.num_kv_blocks or self.executor.determine_num_kv_blocks()
         self.executor.init_kv_cache(num_blocks)
@@ -86,9 +107,12 @@ class LLMEngine:
         kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
                             extra_keys=self.kv_hash_keys[1])
         self.kv_events = None if replica_index is None else KVEventPublisher(kv, replica_index)
+        # a draft model proposes into the k slots after a row's tokens: they are set aside
+        draft_slots = speculation.num_speculative_tokens if speculation and speculation.model else 0
         self.scheduler = Scheduler(SchedulerConfig(
             self.max_model_len, config.max_num_batched_tokens, config.max_num_seqs,
-            config.max_prefill_chunk, decode_steps=config.resolved_decode_steps,
+            config.max_prefill_chunk, num_lookahead_tokens=draft_slots,
+            decode_steps=config.resolved_decode_steps,
             decode_lookahead=config.decode_lookahead,
             enable_chunked_prefill=config.enable_chunked_prefill,
             scheduler_delay_factor=config.scheduler_delay_factor,
@@ -98,7 +122,6 @@ class LLMEngine:
         self.seq_to_request: dict[str, str] = {}
         self._ids = itertools.count()
         self.metrics = EngineMetrics()
-        speculation = config.speculation
         self.speculator = None if speculation is None else Speculator(speculation, self.metrics)
         freeze_start_up_objects()  # full collections would walk all of the above each time
 
@@ -230,6 +253,7 @@ class LLMEngine:
                 finish_completion(completion, finished[seq_id])
                 self._record_finish(tracker, finished[seq_id], now)
         if self.speculator is not None:
+            self.speculator.receive(result)
             self.speculator.observe(scheduled, sampled, seconds)
             self.speculator.forget(finished)
             self.speculator.propose(self.scheduler.running)

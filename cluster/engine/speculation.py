@@ -1,9 +1,10 @@
 """Speculative decoding in the engine: drafts proposed between steps, what verification kept
 counted, and how many drafts each sequence tries next (router/speculation.py).
 
-Prompt lookup proposes on the host from the sequence's own tokens, so a draft is only a
-scheduled token to the workers: under tensor parallelism, preemption (drafts dropped), chunked
-prefill (a prompt drafts nothing) and prefix hits nothing else changes.
+Prompt lookup proposes on the host from the sequence's own tokens; a draft model proposes in
+the worker, after each step. Either way a draft is only a scheduled token to the workers: under
+tensor parallelism, preemption (drafts dropped), chunked prefill (a prompt drafts nothing) and
+prefix hits nothing else changes.
 """
 
 from collections.abc import Iterable, Mapping, Sequence
@@ -15,6 +16,7 @@ from router.sequence import Sequence as Seq
 from router.speculation import DraftLength
 from workers.spec.config import SpeculativeConfig
 from workers.spec.ngram import ngram_drafts
+from workers.step_input import StepOutput
 
 
 def can_speculate(seq: Seq) -> bool:
@@ -39,12 +41,33 @@ class NgramProposer:
         return ngram_drafts(seq.token_ids, num_drafts, self.min_n, self.max_n)
 
 
+class DraftModelProposer:
+    """The draft model runs in the worker, after the target's step (workers/spec/
+    draft_model.py): its proposals come back with the step's tokens."""
+
+    def __init__(self) -> None:
+        self.latest: dict[str, list[int]] = {}
+
+    def receive(self, result: StepOutput) -> None:
+        drafts = result.draft_token_ids or [[] for _ in result.request_ids]
+        self.latest = dict(zip(result.request_ids, drafts, strict=True))
+
+    def propose(self, seq: Seq, num_drafts: int) -> list[int]:
+        return self.latest.get(seq.request_id, [])[:num_drafts]
+
+
 class Speculator:
     def __init__(self, config: SpeculativeConfig, metrics: EngineMetrics) -> None:
         self.config = config
         self.metrics = metrics
         self.lengths = DraftLength(config.num_speculative_tokens, config.adaptive)
-        self.proposer: Proposer = NgramProposer(config)
+        self.draft_model = DraftModelProposer() if config.model is not None else None
+        self.proposer: Proposer = self.draft_model or NgramProposer(config)
+
+    def receive(self, result: StepOutput) -> None:
+        """A step's result: the draft model's proposals in it, when there is one."""
+        if self.draft_model is not None:
+            self.draft_model.receive(result)
 
     def propose(self, running: Sequence[Seq]) -> None:
         """Sets each running sequence's drafts for the next step."""

@@ -34,9 +34,12 @@ class SpeculativeConfig:
              f"placement must be 'worker' or 'actor', got {self.placement!r}"),
             (self.method != "draft_model" or self.model is not None,
              "method 'draft_model' needs a draft 'model'"),
-            # said plainly rather than ignored: only prompt lookup proposes so far
-            (self.method != "draft_model",
-             "draft-model speculation is not built yet: use {\"method\": \"ngram\"}"),
+            # said plainly rather than ignored
+            (self.placement == "worker",
+             "placement 'actor' (a draft actor of its own) is not built yet: use 'worker'"),
+            (self.draft_tensor_parallel_size == 1,
+             "draft_tensor_parallel_size above 1 is not built yet (the draft runs on rank 0's "
+             f"device), got {self.draft_tensor_parallel_size}"),
         ]
         for ok, message in checks:
             if not ok:

@@ -74,6 +74,11 @@ def test_speculative_flags_reach_the_engine_config():
     assert older.engine_config().speculative_config == {"method": "ngram",
                                                         "num_speculative_tokens": 5}
     assert config_of().engine_config().speculation is None
+    drafted = config_of("--speculative-model", "qwen2.5-coder-0.5b-instruct",
+                        "--num-speculative-tokens", "3").engine_config()
+    assert drafted.speculation == SpeculativeConfig(
+        method="draft_model", model="qwen2.5-coder-0.5b-instruct", num_speculative_tokens=3)
+    assert drafted.resolved_decode_steps == 1  # the draft follows every step
 
 
 @pytest.mark.parametrize(("flags", "message"), [
@@ -84,9 +89,13 @@ def test_speculative_flags_reach_the_engine_config():
      "--num-speculative-tokens 2 contradicts --speculative-config's 'num_speculative_tokens'"),
     (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 0}'],
      "--speculative-config: num_speculative_tokens must be in [1, 8], got 0"),
-    (["--speculative-model", "qwen2.5-coder-0.5b-instruct"],
-     "--speculative-config: draft-model speculation is not built yet: use {\"method\": "
-     "\"ngram\"}"),
+    (["--speculative-model", "qwen2.5-coder-0.5b-instruct",
+      "--speculative-draft-tensor-parallel-size", "2"],
+     "--speculative-config: draft_tensor_parallel_size above 1 is not built yet (the draft "
+     "runs on rank 0's device), got 2"),
+    (["--speculative-config", '{"model": "m", "placement": "actor"}'],
+     "--speculative-config: placement 'actor' (a draft actor of its own) is not built yet: "
+     "use 'worker'"),
 ])
 def test_bad_speculative_flags_are_refused_with_the_reason(flags, message):
     with pytest.raises(ValueError) as error:

@@ -207,3 +207,44 @@ def test_the_engine_measures_speculation_against_plain_steps():
     assert metrics.spec_decode_accepted_per_position == [1, 1, 0]
     # 4 tokens; a plain step of 2 rows takes ~0.012 s for 2 of them; this step took 0.016
     assert metrics.spec_decode_speedup == pytest.approx(4 * 0.012 / 2 / 0.016, rel=0.05)
+
+
+def draft(model, k: int, adaptive: bool = False) -> dict:
+    return {"model": str(model), "num_speculative_tokens": k, "adaptive": adaptive}
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_the_target_as_its_own_draft_is_accepted_and_exact(tiny_models, expected, k):
+    llm, tokens = run(tiny_models["llama"], num_kv_blocks=256,
+                      speculative_config=draft(tiny_models["llama"], k))
+    assert tokens == expected
+    stats = llm.stats()
+    assert stats.spec_decode_num_drafts > 0
+    rate = stats.spec_decode_num_accepted_tokens / stats.spec_decode_num_draft_tokens
+    assert rate >= 0.95
+
+
+def test_an_unrelated_draft_changes_nothing_under_chunks_preemption_and_prefix_hits(
+        tiny_models, expected):
+    llm, tokens = run(tiny_models["llama"], num_kv_blocks=40, max_num_batched_tokens=16,
+                      speculative_config=draft(tiny_models["llama-draft"], 4))
+    assert tokens == expected
+    assert llm.engine.scheduler.num_preemptions > 0
+    stats = llm.stats()
+    assert stats.spec_decode_num_accepted_tokens < 0.2 * stats.spec_decode_num_draft_tokens
+    again = [out.token_ids for out in llm.generate(PROMPTS, GREEDY)]
+    assert again == expected and llm.stats().prefix_cache_hits > 0
+    # and the target as its draft, under the same pressure
+    llm, tokens = run(tiny_models["llama"], num_kv_blocks=40, max_num_batched_tokens=16,
+                      speculative_config=draft(tiny_models["llama"], 3))
+    assert tokens == expected
+    stats = llm.stats()
+    assert stats.spec_decode_num_accepted_tokens >= 0.95 * stats.spec_decode_num_draft_tokens
+
+
+def test_a_draft_of_another_vocabulary_is_refused_at_start_up(tiny_models):
+    with pytest.raises(ValueError) as error:
+        LLM(str(tiny_models["llama"]), device="cpu",
+            speculative_config=draft(tiny_models["qwen2"], 2))
+    assert str(error.value) == ("the draft model's vocabulary (999 tokens) differs from the "
+                                "target's (1001): it must share the tokenizer")
