@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from workers.pending import copied_event, to_host
 from workers.request_state import RequestState
 from workers.sampler import target_probs
 from workers.spec.rejection import verify
@@ -46,15 +47,7 @@ def verify_rows(logits: torch.Tensor, starts: Sequence[int], drafts: Sequence[li
     generators = [state.generator_for_next_token() for state in states]
     tokens, counts = verify(probs, draft_ids, num_drafts, None, generators, shared)
     host_tokens, host_counts = to_host(tokens), to_host(counts)
-    event = None
-    if tokens.is_cuda:
-        event = torch.cuda.Event()
-        event.record()
-    return PendingTokens(host_tokens, host_counts, event)
-
-
-def to_host(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to("cpu", non_blocking=True)
+    return PendingTokens(host_tokens, host_counts, copied_event(tokens))
 
 
 def merge_outputs(request_ids: list[str], plain: list[int], plain_out: StepOutput | None,
