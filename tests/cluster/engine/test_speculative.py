@@ -2,13 +2,13 @@
 drafts (prompt lookup's, or an oracle's that knows the answer, corrupted at will); sampled
 output keeps its seed; the counters add up."""
 
-import random
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 from cluster import LLM, SamplingParams
+from cluster.bench.speculative import Oracle
 from cluster.engine.metrics import EngineMetrics
 from cluster.engine.speculation import Speculator
 from kvstore.block_hash import hash_block_tokens
@@ -50,19 +50,11 @@ def run(folder, prompts=PROMPTS, params=GREEDY, **engine_args):
     return llm, [out.token_ids for out in outputs]
 
 
-class Oracle:
-    """Proposes the expected continuation, each token replaced by a wrong one with
-    probability ``wrong`` (seeded): acceptance is then known."""
-
-    def __init__(self, prompts, continuations, wrong=0.0, seed=0):
-        self.answers = {tuple(p): c for p, c in zip(prompts, continuations, strict=True)}
-        self.wrong, self.rng = wrong, random.Random(seed)
-
-    def propose(self, seq, num_drafts):
-        answer = self.answers[tuple(seq.prompt_token_ids)]
-        start = seq.num_output_tokens
-        return [t if self.rng.random() >= self.wrong else (t + 1) % 1000
-                for t in answer[start : start + num_drafts]]
+def oracle(continuations, wrong=0.0, seed=0, prompts=PROMPTS):
+    """The benchmark's proposer: the expected continuation, each token replaced by a wrong
+    one with probability ``wrong`` (seeded), so acceptance is known."""
+    answers = {tuple(p): c for p, c in zip(prompts, continuations, strict=True)}
+    return Oracle(answers, alpha=1.0 - wrong, vocab=1001, seed=seed)
 
 
 def run_with(folder, proposer, prompts=PROMPTS, params=GREEDY, **engine_args):
@@ -81,7 +73,7 @@ def test_greedy_equals_transformers_for_every_k(tiny_models, expected, k):
     assert stats.spec_decode_num_drafts > 0
     assert stats.spec_decode_num_draft_tokens <= k * stats.spec_decode_num_drafts
     # drafts that are all right are all kept: k + 1 tokens a verify step
-    llm, tokens = run_with(tiny_models["llama"], Oracle(PROMPTS, expected), num_kv_blocks=256,
+    llm, tokens = run_with(tiny_models["llama"], oracle(expected), num_kv_blocks=256,
                            speculative_config=ngram(k))
     assert tokens == expected
     stats = llm.stats()
@@ -90,14 +82,14 @@ def test_greedy_equals_transformers_for_every_k(tiny_models, expected, k):
     # token alone is a plain step, with no room for a draft)
     assert stats.spec_decode_num_drafts == len(PROMPTS) * -(-(MAX_TOKENS - 2) // (k + 1))
     # and drafts that are all wrong are all rejected, the output the same
-    llm, tokens = run_with(tiny_models["llama"], Oracle(PROMPTS, expected, wrong=1.0),
+    llm, tokens = run_with(tiny_models["llama"], oracle(expected, wrong=1.0),
                            num_kv_blocks=256, speculative_config=ngram(k))
     assert tokens == expected
     assert llm.stats().spec_decode_num_accepted_tokens == 0
 
 
 def test_acceptance_follows_the_share_of_right_drafts(tiny_models, expected):
-    llm, tokens = run_with(tiny_models["llama"], Oracle(PROMPTS, expected, wrong=0.3, seed=1),
+    llm, tokens = run_with(tiny_models["llama"], oracle(expected, wrong=0.3, seed=1),
                            num_kv_blocks=256, speculative_config=ngram(3))
     assert tokens == expected
     stats = llm.stats()
@@ -110,7 +102,7 @@ def test_acceptance_follows_the_share_of_right_drafts(tiny_models, expected):
 def test_greedy_equals_transformers_under_chunks_preemption_and_prefix_hits(tiny_models,
                                                                            expected):
     # 24 blocks of 4 tokens for four sequences of up to 54: someone is always preempted
-    llm, tokens = run_with(tiny_models["llama"], Oracle(PROMPTS, expected, wrong=0.2),
+    llm, tokens = run_with(tiny_models["llama"], oracle(expected, wrong=0.2),
                            num_kv_blocks=24, max_num_batched_tokens=16,
                            speculative_config=ngram(4))
     assert tokens == expected
@@ -129,7 +121,7 @@ def tokens_of(tiny_models):
 def test_no_draft_token_is_ever_cached(tiny_models):
     """Every cached block's hash is the hash of verified tokens: those of some sequence's
     final output (a rejected draft in a cached block would make a hash nobody produced)."""
-    llm, tokens = run_with(tiny_models["llama"], Oracle(PROMPTS, tokens_of(tiny_models), 0.5),
+    llm, tokens = run_with(tiny_models["llama"], oracle(tokens_of(tiny_models), 0.5),
                            num_kv_blocks=256, speculative_config=ngram(5))
     assert llm.stats().spec_decode_num_accepted_tokens > 0
     kv = llm.engine.scheduler.kv
@@ -185,7 +177,7 @@ def test_tensor_parallel_2_verifies_the_same_tokens(ray_session, tiny_models, ex
               tensor_parallel_size=2, distributed_executor_backend="ray",
               speculative_config=ngram(3))
     try:
-        llm.engine.speculator.proposer = Oracle(PROMPTS, expected, wrong=0.3)
+        llm.engine.speculator.proposer = oracle(expected, wrong=0.3)
         outputs = llm.generate(PROMPTS, GREEDY)
         assert [out.token_ids for out in outputs] == expected
         assert llm.stats().spec_decode_num_accepted_tokens > 0
