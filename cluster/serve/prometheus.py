@@ -69,7 +69,8 @@ METRIC_NAMES = (
     + [PREFIX + name + "_total" for name in [*COUNTERS, "request_success"]]
     + [PREFIX + name for name in [*GAUGES, "kv_cache_usage_perc", "prefix_cache_hit_rate"]]
     + [PREFIX + name for name in ROUTER_METRICS]
-    + [PREFIX + "spec_decode_num_accepted_tokens_per_pos_total"]
+    # by position: no sample until a draft is accepted, so the family's name (no _total)
+    + [PREFIX + "spec_decode_num_accepted_tokens_per_pos"]
 )
 
 
