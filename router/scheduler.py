@@ -183,8 +183,11 @@ class Scheduler:
         """The proposed tokens a decoding sequence verifies this step: as many as the budget
         has room for beside its own token, and no more than could be kept (its max_tokens and
         the model's length take the bonus token too). Taken: the next step has new ones."""
-        drafts, seq.spec_token_ids = seq.spec_token_ids, []
-        if not drafts or seq.num_tokens - seq.num_computed_tokens != 1:
+        drafts = seq.spec_token_ids
+        if not drafts:  # nothing proposed (speculation off): no new list per sequence a step
+            return drafts
+        seq.spec_token_ids = []
+        if seq.num_tokens - seq.num_computed_tokens != 1:
             return []
         room = min(seq.params.max_tokens - seq.num_output_tokens,
                    self.config.max_model_len - seq.num_tokens) - 1
