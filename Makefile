@@ -38,4 +38,4 @@ bench: install
 	  --max-len 512 --hf-batch-sizes 8,32 --hf-max-new-tokens 128 --hf-batch-requests 0
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache
+	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache .hypothesis

@@ -1,6 +1,22 @@
-"""What a request asks of generation. Validated once, when the request is made."""
+"""What a request asks of generation. Validated once, when the request is made.
 
+Everything here is checked before a request reaches an engine: a value the engine cannot
+take (a seed past 64 bits, an infinite temperature) would otherwise fail inside a step,
+where it takes down every request in the batch, not only its own.
+"""
+
+import math
 from dataclasses import dataclass
+
+# torch.Generator.manual_seed takes any 64-bit integer, signed or not (a negative seed is
+# its two's complement); anything outside overflows in the sampler's per-request setup
+MIN_SEED, SEED_END = -(2**63), 2**64
+# samples of one prompt: each is a sequence of its own, with its own KV blocks
+MAX_N = 128
+# every stop string is searched for in the new text of each token, and the longest one
+# sets how much text is held back while streaming: both stay small
+MAX_STOP_STRINGS = 32
+MAX_STOP_LENGTH = 256
 
 
 @dataclass
@@ -30,8 +46,16 @@ class SamplingParams:
             raise ValueError(problem)
 
     def _problems(self) -> list[str]:
+        floats = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                  "frequency_penalty")
+        # NaN fails every comparison below and infinity passes some: both are refused first,
+        # with a message that says what is wrong with them
+        infinite = [name for name in floats if not math.isfinite(getattr(self, name))]
+        if infinite:
+            name = infinite[0]
+            return [f"{name} must be a finite number, got {getattr(self, name)}"]
         checks = [
-            (self.n >= 1, f"n must be at least 1, got {self.n}"),
+            (1 <= self.n <= MAX_N, f"n must be in [1, {MAX_N}], got {self.n}"),
             (self.max_tokens >= 1, f"max_tokens must be at least 1, got {self.max_tokens}"),
             (
                 0 <= self.min_tokens <= self.max_tokens,
@@ -56,6 +80,19 @@ class SamplingParams:
             (
                 self.logprobs is None or 0 <= self.logprobs <= 20,
                 f"logprobs must be in [0, 20], got {self.logprobs}",
+            ),
+            (
+                self.seed is None or MIN_SEED <= self.seed < SEED_END,
+                f"seed must be a 64-bit integer, in [-2**63, 2**64), got {self.seed}",
+            ),
+            (
+                len(self.stop) <= MAX_STOP_STRINGS,
+                f"stop may hold at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}",
+            ),
+            (
+                all(len(stop) <= MAX_STOP_LENGTH for stop in self.stop),
+                f"stop strings may be at most {MAX_STOP_LENGTH} characters long, got one of "
+                f"{max((len(stop) for stop in self.stop), default=0)}",
             ),
             (all(self.stop), "stop strings must not be empty"),
             (all(t >= 0 for t in self.stop_token_ids), "stop_token_ids must be >= 0"),

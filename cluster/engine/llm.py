@@ -36,6 +36,9 @@ class LLM:
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
+        """One output per prompt, in order. A request the engine failed (it logs why) comes
+        back finished, its completions aborted, with ``error`` saying so: the rest of the
+        batch is not lost with it."""
         prompt_list = as_prompt_list(prompts)
         params_list = self._params_for(len(prompt_list), params)
         # tokenize and check everything first: one bad prompt rejects the batch, changing nothing

@@ -2,9 +2,13 @@
 
 Each ``step()`` asks the scheduler what to run, sends the workers one ``StepInput``, commits
 the sampled tokens, and turns them into ``RequestOutput``s (text, stop strings, metrics).
+
+What one request raises while its tokens become text fails that request alone
+(``RequestFailed``, its blocks freed at once); the step and the other requests go on.
 """
 
 import itertools
+import logging
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -22,18 +26,32 @@ from cluster.engine.output_processor import (
     finish_completion,
     make_tracker,
 )
-from cluster.engine.outputs import EngineStats, RequestDelta, RequestOutput, part_ids
+from cluster.engine.outputs import (
+    EngineStats,
+    RequestDelta,
+    RequestFailed,
+    RequestOutput,
+    part_ids,
+)
 from cluster.engine.speculation import Speculator
 from cluster.engine.step_builder import StepBuilder
-from cluster.engine.tokenizer import Message, apply_chat_template, eos_token_ids, load_tokenizer
+from cluster.engine.tokenizer import (
+    Message,
+    apply_chat_template,
+    check_text,
+    eos_token_ids,
+    load_tokenizer,
+)
 from kvstore.kv_cache_manager import KVCacheManager
-from router.sampling_params import SamplingParams
+from router.sampling_params import SEED_END, SamplingParams
 from router.scheduler import Scheduler, SchedulerConfig
 from router.sequence import FinishReason, Sequence
 from workers.catalog import resolve_model
 from workers.gc_freeze import freeze_start_up_objects, unfreeze
 from workers.loader import load_config
 from workers.worker import WorkerConfig
+
+log = logging.getLogger(__name__)
 
 Prompt = str | list[int]
 
@@ -131,6 +149,7 @@ class LLMEngine:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer: give prompts as token ids")
+            check_text(prompt, "prompt")
             return self.tokenizer.encode(prompt)
         return list(prompt)
 
@@ -148,12 +167,19 @@ class LLMEngine:
         self.check_prompt(prompt_ids)
         seq_ids = part_ids(request_id, params.n)
         text = prompt if isinstance(prompt, str) else None
-        tracker = make_tracker(request_id, text, prompt_ids, params, seq_ids, self.tokenizer)
+        try:
+            tracker = make_tracker(request_id, text, prompt_ids, params, seq_ids, self.tokenizer)
+        except Exception as error:  # the detokenizer's set-up: the server's fault, not the input's
+            log.error("request %s: setting up its detokenizer failed", request_id, exc_info=True)
+            raise RequestFailed(failure_message(request_id, "setting up its detokenizer",
+                                                error)) from None
         self.requests[request_id] = tracker
         for index, seq_id in enumerate(seq_ids):
             seq_params = params
-            if params.n > 1 and params.seed is not None:  # distinct, reproducible samples
-                seq_params = replace(params, seed=params.seed + index)
+            if params.n > 1 and params.seed is not None:  # distinct, reproducible samples;
+                # modulo 2**64 the generator is the same (manual_seed's two's complement), and
+                # seed + index stays a seed it takes
+                seq_params = replace(params, seed=(params.seed + index) % SEED_END)
             self.seq_to_request[seq_id] = request_id
             self.scheduler.add(Sequence(seq_id, prompt_ids, seq_params, self.eos_token_ids,
                                         arrival_time=tracker.metrics.arrival_time))
@@ -229,35 +255,54 @@ class LLMEngine:
         for row, seq_id in enumerate(result.request_ids):
             request_id = self.seq_to_request.get(seq_id)
             if request_id is None:
-                continue  # aborted while its step ran
+                continue  # aborted while its step ran, or failed on an earlier row
             tracker = self.requests[request_id]
             touched[request_id] = tracker
-            completion = tracker.completions[seq_id]
-            seq = scheduled_seqs[seq_id]
-            kept = result.token_ids[row][: seq.num_tokens - num_before[seq_id]]  # to a stop
-            num_output = len(kept)
-            for index, token_id in enumerate(kept):
-                logprobs = result.logprobs[row][index] if result.logprobs is not None else None
-                stop = add_token(completion, tracker.params, token_id, logprobs)
-                if stop is None:
-                    continue
-                num_output = index + 1  # a stop string: the tokens after it are dropped
-                if seq_id not in finished:
-                    if self.scheduler.finish(seq_id, FinishReason.STOP, stop_reason=stop):
-                        finished[seq_id] = seq
-                else:  # finished by length or EOS on a token at or after the stop string
-                    seq.finish(FinishReason.STOP, stop_reason=stop)
-                break
-            self._record_tokens(tracker, completion, seq, now, num_output, len(kept))
-            if seq_id in finished:
-                finish_completion(completion, finished[seq_id])
-                self._record_finish(tracker, finished[seq_id], now)
+            try:  # detokenizing and stop strings run the request's own text through code
+                completion = tracker.completions[seq_id]
+                seq = scheduled_seqs[seq_id]
+                kept = result.token_ids[row][: seq.num_tokens - num_before[seq_id]]  # to a stop
+                num_output = len(kept)
+                for index, token_id in enumerate(kept):
+                    logprobs = result.logprobs[row][index] if result.logprobs is not None \
+                        else None
+                    stop = add_token(completion, tracker.params, token_id, logprobs)
+                    if stop is None:
+                        continue
+                    num_output = index + 1  # a stop string: the tokens after it are dropped
+                    if seq_id not in finished:
+                        if self.scheduler.finish(seq_id, FinishReason.STOP, stop_reason=stop):
+                            finished[seq_id] = seq
+                    else:  # finished by length or EOS on a token at or after the stop string
+                        seq.finish(FinishReason.STOP, stop_reason=stop)
+                    break
+                self._record_tokens(tracker, completion, seq, now, num_output, len(kept))
+                if seq_id in finished:
+                    finish_completion(completion, finished[seq_id])
+                    self._record_finish(tracker, finished[seq_id], now)
+            except Exception as error:
+                self._fail(tracker, "turning its tokens into text", error)
         if self.speculator is not None:
             self.speculator.receive(result)
             self.speculator.observe(scheduled, sampled, seconds)
             self.speculator.forget(finished)
             self.speculator.propose(self.scheduler.running)
         return list(touched.values())
+
+    def _fail(self, tracker: RequestTracker, stage: str, error: Exception) -> None:
+        """Ends one request that raised: its sequences are aborted (blocks freed), its next
+        output carries the error; nothing else in the step is touched."""
+        request_id = tracker.request_id
+        log.error("request %s failed while %s", request_id, stage, exc_info=error)
+        tracker.error = failure_message(request_id, stage, error)
+        for seq_id, completion in tracker.completions.items():
+            self.seq_to_request.pop(seq_id, None)  # its later rows in this step are skipped
+            if completion.output.finish_reason is None:
+                self.scheduler.finish(seq_id, FinishReason.ABORT)  # None if it just finished
+                completion.output.finish_reason, completion.output.stop_reason = "abort", None
+        if self.speculator is not None:
+            self.speculator.forget(list(tracker.completions))
+        self.metrics.on_finish("abort", time.monotonic() - tracker.metrics.arrival_time)
 
     def _drop_finished(self, trackers: list[RequestTracker]) -> None:
         for tracker in trackers:
@@ -327,3 +372,10 @@ class LLMEngine:
     def shutdown(self) -> None:
         self.executor.shutdown()
         unfreeze()  # what the engine leaves in reference cycles can be collected again
+
+
+def failure_message(request_id: str, stage: str, error: Exception) -> str:
+    """What the client is told: the stage and the kind of error, not its text (which can
+    carry paths or values of the server's); the log has the whole exception."""
+    return (f"the engine failed request {request_id} while {stage} "
+            f"({type(error).__name__}); other requests were not affected")

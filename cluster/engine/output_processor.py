@@ -58,6 +58,7 @@ class RequestTracker:
     completions: dict[str, CompletionTracker]  # sequence id -> its completion
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.monotonic()))
     prompt_sent: bool = False
+    error: str | None = None  # the engine failed it: its completions are aborted
 
     @property
     def finished(self) -> bool:
@@ -75,14 +76,14 @@ class RequestTracker:
                 c.stop_reason, list(c.logprobs) if c.logprobs is not None else None,
             ))
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outputs,
-                             self.metrics, self.finished)
+                             self.metrics, self.finished, self.error)
 
 
     def delta(self) -> RequestDelta:
         """What changed since the last delta (a stream's message: no whole-list copies)."""
         delta = RequestDelta(self.request_id, [c.delta(self.params) for c in
                                                self.completions.values()],
-                             self.metrics, self.finished)
+                             self.metrics, self.finished, error=self.error)
         if not self.prompt_sent:
             delta.prompt, delta.prompt_token_ids = self.prompt, self.prompt_token_ids
             self.prompt_sent = True

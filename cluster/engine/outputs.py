@@ -3,6 +3,11 @@
 from dataclasses import dataclass, field
 
 
+class RequestFailed(RuntimeError):
+    """The engine failed one request (not the step, not the others): its message is written
+    for the client and names no internals; the exception itself went to the engine's log."""
+
+
 def part_ids(request_id: str, count: int) -> list[str]:
     """Ids for the ``count`` parts of one request: the engine's n samples of a prompt, the
     service's prompts of one completions request. One part keeps the request's own id."""
@@ -48,6 +53,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     metrics: RequestMetrics
     finished: bool = False
+    error: str | None = None  # why the engine failed it (then finished, its completions aborted)
 
     # the first completion's fields, for the common n == 1 case
     @property
@@ -99,18 +105,22 @@ class RequestDelta:
     finished: bool
     prompt: str | None = None
     prompt_token_ids: list[int] | None = None
+    error: str | None = None  # the engine failed the request: its last delta says why
 
 
 class OutputAccumulator:
     """Rebuilds the ``RequestOutput`` of a request from its stream of deltas.
 
     Copying whole token lists every step is the consumer's cost here, not the engine's.
+    A delta that carries an error ends the stream: ``add`` raises it as ``RequestFailed``.
     """
 
     def __init__(self) -> None:
         self.output: RequestOutput | None = None
 
     def add(self, delta: RequestDelta) -> RequestOutput:
+        if delta.error is not None:
+            raise RequestFailed(delta.error)
         if self.output is None:
             assert delta.prompt_token_ids is not None, "the first delta carries the prompt"
             self.output = RequestOutput(delta.request_id, delta.prompt, delta.prompt_token_ids,

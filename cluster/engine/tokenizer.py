@@ -3,6 +3,7 @@
 import json
 from pathlib import Path
 
+from jinja2 import TemplateError
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -30,11 +31,27 @@ def eos_token_ids(folder: Path, tokenizer: PreTrainedTokenizerBase | None) -> fr
     return frozenset(ids)
 
 
+def check_text(text: str, what: str) -> None:
+    """Raises ValueError unless ``text`` encodes to UTF-8. JSON's escapes let a client send a
+    lone surrogate ("\\ud800"), which Python holds in a str but no tokenizer can encode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise ValueError(f"{what} is not valid UTF-8 text: character {error.start} is a lone "
+                         f"surrogate ({text[error.start]!r}), which has no encoding") from None
+
+
 def apply_chat_template(tokenizer: PreTrainedTokenizerBase | None,
                         messages: list[Message]) -> list[int]:
     if tokenizer is None or not tokenizer.chat_template:
         raise ValueError("this model has no chat template: use generate() with a prompt")
     if not messages:
         raise ValueError("messages must not be empty")
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    for index, message in enumerate(messages):
+        for key, value in message.items():
+            check_text(value, f"messages[{index}].{key}")
+    try:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    except TemplateError as error:  # the template's raise_exception(): roles out of order, ...
+        raise ValueError(f"the model's chat template refused these messages: {error}") from None
     return tokenizer.encode(text, add_special_tokens=False)

@@ -30,13 +30,9 @@ from starlette.exceptions import HTTPException
 
 from cluster.engine.tokenizer import load_tokenizer
 from cluster.serve.config import ServeConfig, load_config
+from cluster.serve.failures import not_ready, server_error
 from cluster.serve.http_guards import APIKeyGuard, BodyLimit
-from cluster.serve.openai_errors import (
-    APIError,
-    from_validation_errors,
-    internal_error,
-    unavailable,
-)
+from cluster.serve.openai_errors import APIError, from_validation_errors
 from cluster.serve.openai_service import OpenAIService
 from cluster.serve.prometheus import make_registry, render
 from cluster.serve.protocol import ChatCompletionRequest, CompletionRequest
@@ -62,12 +58,16 @@ def build_app(service: OpenAIService, config: ServeConfig) -> FastAPI:
     async def models() -> Response:
         return JSONResponse(service.models().model_dump())
 
+    @app.get("/v1/models/{model_id:path}")  # a served name may hold slashes (org/name)
+    async def model(model_id: str) -> Response:
+        return JSONResponse(service.model(model_id).model_dump())
+
     @app.get("/health")
     async def health() -> Response:
         try:
             await cluster.check_health()
         except Exception as error:  # a dead engine, or a replica actor that is gone
-            return unavailable(error).response()
+            return not_ready(error).response()
         return Response(status_code=200)
 
     @app.get("/metrics")
@@ -105,7 +105,7 @@ def add_error_handlers(app: FastAPI) -> None:
         return APIError(error.status_code, str(error.detail), type=kind).response()
 
     async def unexpected(_: Request, error: Exception) -> Response:
-        return internal_error(error).response()
+        return server_error(error).response()
 
     app.add_exception_handler(APIError, api_error)
     app.add_exception_handler(RequestValidationError, invalid)

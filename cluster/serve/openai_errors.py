@@ -1,11 +1,17 @@
-"""Errors in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``."""
+"""Errors in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``.
 
+Every message here is the server's own words about the request; what the server's insides
+raised never reaches a body (failures.py turns exceptions into these).
+"""
+
+import json
 from collections.abc import Sequence
 from typing import Any
 
-from fastapi.responses import JSONResponse
+from fastapi.responses import Response
 
 from cluster.serve.protocol import ErrorInfo, ErrorResponse
+from cluster.serve.unsupported_fields import refusal
 
 
 class APIError(Exception):
@@ -17,11 +23,16 @@ class APIError(Exception):
         self.status = status
         self.info = ErrorInfo(message=message, type=type, param=param, code=code)
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(ErrorResponse(error=self.info).model_dump(), status_code=self.status)
+    def response(self) -> Response:
+        return Response(self.body(), status_code=self.status, media_type="application/json")
 
     def sse_event(self) -> str:
-        return f"data: {ErrorResponse(error=self.info).model_dump_json()}\n\n"
+        return f"data: {self.body()}\n\n"
+
+    def body(self) -> str:
+        # ASCII with escapes: a message that quotes a client's string (a field's name) stays
+        # encodable even when that string is not valid UTF-8
+        return json.dumps(ErrorResponse(error=self.info).model_dump(), separators=(",", ":"))
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
@@ -43,24 +54,14 @@ def body_too_large(limit: int) -> APIError:
                     code="request_too_large")
 
 
-def internal_error(error: BaseException) -> APIError:
-    return APIError(500, f"{type(error).__name__}: {cause_message(error)}", type="server_error")
-
-
-def unavailable(error: BaseException) -> APIError:
-    return APIError(503, cause_message(error), type="service_unavailable")
-
-
-def cause_message(error: BaseException) -> str:
-    """The original message, also for errors raised inside a Ray actor (RayTaskError)."""
-    cause = getattr(error, "cause", None)
-    if isinstance(cause, BaseException) and cause is not error:
-        return cause_message(cause)
-    return str(error).strip() or type(error).__name__
-
-
 def from_validation_errors(errors: Sequence[Any]) -> APIError:
-    """FastAPI's 422 list of problems as one 400: malformed JSON and wrong types."""
+    """FastAPI's 422 list of problems as one 400: malformed JSON, wrong types, and fields
+    the body does not declare (those first: they are what the client must change)."""
+    extras = [error.get("loc", ())[1:] for error in errors
+              if error.get("type") == "extra_forbidden"]
+    if extras:
+        message, param, code = refusal(extras)
+        return bad_request(message, param=param, code=code)
     problems, params = [], []
     for error in errors:
         if error.get("type") == "json_invalid":

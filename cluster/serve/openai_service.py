@@ -6,13 +6,14 @@ is closed early.
 """
 
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from transformers import PreTrainedTokenizerBase
 
 from cluster.engine.outputs import RequestOutput, part_ids
 from cluster.engine.tokenizer import apply_chat_template
-from cluster.serve.openai_errors import bad_request, cause_message, model_not_found
+from cluster.serve.failures import as_api_error
+from cluster.serve.openai_errors import bad_request, model_not_found
 from cluster.serve.openai_format import chat_choices, completion_choices, usage
 from cluster.serve.openai_stream import StreamContext, chat_events, completion_events
 from cluster.serve.protocol import (
@@ -25,8 +26,10 @@ from cluster.serve.protocol import (
     Prompt,
     SamplingFields,
     new_id,
+    now,
 )
 from cluster.serve.request_streams import Cluster, final_outputs, merge_streams, prefetch
+from cluster.serve.text_fields import check_utf8
 from router.sampling_params import SamplingParams
 
 Events = AsyncIterator[str]
@@ -38,22 +41,36 @@ class OpenAIService:
     cluster: Cluster
     tokenizer: PreTrainedTokenizerBase | None
     model_name: str
+    created: int = field(default_factory=now)  # the model card's: when this server started
 
     def models(self) -> ModelList:
-        return ModelList(data=[ModelCard(id=self.model_name,
-                                         max_model_len=self.cluster.max_model_len)])
+        return ModelList(data=[self.model(self.model_name)])
+
+    def model(self, name: str) -> ModelCard:
+        self._check_model(name)
+        return ModelCard(id=self.model_name, created=self.created,
+                         max_model_len=self.cluster.max_model_len)
 
     async def completions(self, request: CompletionRequest) -> CompletionResponse | Events:
+        check_utf8(request)  # first: every later message may quote the request's strings
         self._check_model(request.model)
         self._check_unsupported(request)
         if request.echo and request.logprobs is not None:
             raise bad_request("echo with logprobs is not supported (no prompt logprobs)", "echo")
         prompts = self._completion_prompts(request.prompt)
-        echoes = self._echoes(request.prompt, prompts) if request.echo else None
-        params = [self._params(request, request.max_tokens, request.logprobs, ids, "prompt")
-                  for ids in prompts]
+        if request.echo:
+            self._check_echo(request.prompt)
+        params = [self._params(request, request.max_tokens, "max_tokens", request.logprobs, ids,
+                               "prompt") for ids in prompts]
         request_id = new_id("cmpl")
         stream = await self._start(request_id, prompts, params)
+        echoes = None
+        if request.echo:  # decoded once the engine has found the ids in its vocabulary: the
+            try:  # tokenizer overflows on others (a negative one), a 500
+                echoes = self._echoes(request.prompt, prompts)
+            except BaseException:
+                await stream.aclose()  # type: ignore[attr-defined]
+                raise
         if request.stream:
             context = self._context(request_id, request, prompts)
             return completion_events(stream, replace(context, echoes=echoes))
@@ -64,6 +81,7 @@ class OpenAIService:
         )
 
     async def chat(self, request: ChatCompletionRequest) -> ChatCompletionResponse | Events:
+        check_utf8(request)
         self._check_model(request.model)
         self._check_unsupported(request)
         if not request.messages:
@@ -73,8 +91,10 @@ class OpenAIService:
                                       [m.as_template_message() for m in request.messages])
         except ValueError as error:
             raise bad_request(str(error), "messages") from error
-        params = self._params(request, request.max_new_tokens, request.num_logprobs, ids,
-                              "messages")
+        limit_name = "max_tokens" if request.max_completion_tokens is None \
+            else "max_completion_tokens"
+        params = self._params(request, request.max_new_tokens, limit_name, request.num_logprobs,
+                              ids, "messages")
         request_id = new_id("chatcmpl")
         stream = await self._start(request_id, [ids], [params])
         if request.stream:
@@ -101,17 +121,17 @@ class OpenAIService:
             raise bad_request(f"response_format {kind!r} is not supported (only 'text')",
                               "response_format")
 
+    def _check_echo(self, prompt: Prompt) -> None:
+        if self.tokenizer is None and not all(isinstance(p, str) for p in prompt_items(prompt)):
+            raise bad_request("echo of token-id prompts needs the model's tokenizer", "echo")
+
     def _echoes(self, prompt: Prompt, prompts: list[list[int]]) -> list[str]:
         """Each prompt's text, as given, or decoded from its token ids."""
-        items = [prompt] if isinstance(prompt, str) or isinstance(prompt[0], int) else prompt
-        if self.tokenizer is None and not all(isinstance(p, str) for p in items):
-            raise bad_request("echo of token-id prompts needs the model's tokenizer", "echo")
-        return [p if isinstance(p, str) else self.tokenizer.decode(ids)  # type: ignore[union-attr]
-                for p, ids in zip(items, prompts, strict=True)]
+        return [p if isinstance(p, str) else str(self.tokenizer.decode(ids))  # type: ignore[union-attr]
+                for p, ids in zip(prompt_items(prompt), prompts, strict=True)]
 
     def _completion_prompts(self, prompt: Prompt) -> list[list[int]]:
-        single = isinstance(prompt, str) or (prompt and isinstance(prompt[0], int))
-        items: list[str | list[int]] = [prompt] if single else list(prompt)  # type: ignore
+        items = prompt_items(prompt)
         if not items:
             raise bad_request("prompt must not be empty", "prompt")
         prompts = [self._tokenize(p) for p in items]
@@ -126,8 +146,9 @@ class OpenAIService:
             raise bad_request("this model has no tokenizer: send prompts as token ids", "prompt")
         return list(self.tokenizer.encode(prompt))
 
-    def _params(self, request: SamplingFields, max_tokens: int | None, logprobs: int | None,
-                prompt_ids: list[int], param: str) -> SamplingParams:
+    def _params(self, request: SamplingFields, max_tokens: int | None, limit_name: str,
+                logprobs: int | None, prompt_ids: list[int], param: str) -> SamplingParams:
+        """``limit_name``: the field ``max_tokens`` came from, which a 400 names."""
         context = self.cluster.max_model_len
         room = context - len(prompt_ids)
         if room <= 0:
@@ -136,10 +157,18 @@ class OpenAIService:
                 f"{len(prompt_ids)}: no room is left to generate.", param,
                 code="context_length_exceeded")
         try:
-            return request.sampling_params(room if max_tokens is None else max_tokens, logprobs)
+            params = request.sampling_params(room if max_tokens is None else max_tokens,
+                                             logprobs)
         except ValueError as error:
-            field = str(error).split(" ", 1)[0]
-            raise bad_request(str(error), field if field.isidentifier() else None) from error
+            name = str(error).split(" ", 1)[0]
+            raise bad_request(str(error), name if name.isidentifier() else None) from error
+        if params.max_tokens > room:  # vLLM's words; the engine would cut it short silently
+            raise bad_request(
+                f"'{limit_name}' is too large: {params.max_tokens}. This model's maximum "
+                f"context length is {context} tokens and your request has {len(prompt_ids)} "
+                f"input tokens ({params.max_tokens} > {context} - {len(prompt_ids)}).",
+                limit_name, code="context_length_exceeded")
+        return params
 
     # -- running ------------------------------------------------------------------------------
 
@@ -152,17 +181,22 @@ class OpenAIService:
                    for p, sp, rid in zip(prompts, params, ids, strict=True)]
         try:
             return await prefetch(merge_streams(streams))
-        except ValueError as error:
-            raise bad_request(cause_message(error), "prompt") from error
+        except Exception as error:  # the engine's prompt checks: a 400; else the server's
+            raise as_api_error(error, "prompt") from error
 
     async def _finish(self, stream: Stream, count: int) -> list[RequestOutput]:
         try:
             return await final_outputs(stream, count)
-        except ValueError as error:
-            raise bad_request(cause_message(error), "prompt") from error
+        except Exception as error:
+            raise as_api_error(error, "prompt") from error
 
     def _context(self, request_id: str, request: SamplingFields,
                  prompts: list[list[int]]) -> StreamContext:
         return StreamContext(request_id, self.model_name, self.tokenizer, prompts, request.n,
-                             request.include_usage)
+                             request.include_usage, request.continuous_usage)
 
+
+def prompt_items(prompt: Prompt) -> list[str | list[int]]:
+    """A completions request's prompts: one string or token list, or a list of them."""
+    single = isinstance(prompt, str) or (prompt and isinstance(prompt[0], int))
+    return [prompt] if single else list(prompt)  # type: ignore[arg-type,list-item]

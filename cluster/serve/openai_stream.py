@@ -12,7 +12,7 @@ from pydantic import BaseModel
 from transformers import PreTrainedTokenizerBase
 
 from cluster.engine.outputs import RequestOutput
-from cluster.serve.openai_errors import APIError, bad_request, cause_message, internal_error
+from cluster.serve.failures import as_api_error
 from cluster.serve.openai_format import chat_logprobs, choice_index, completion_logprobs
 from cluster.serve.protocol import (
     ChatChunkChoice,
@@ -88,6 +88,7 @@ class StreamContext:
     prompts: list[list[int]]
     n: int
     include_usage: bool
+    continuous_usage: bool = False  # every chunk carries the usage so far
     created: int = field(default_factory=now)
     echoes: list[str] | None = None  # each prompt's text, sent first (completions' echo)
 
@@ -134,27 +135,28 @@ async def choice_events(
 ) -> AsyncIterator[str]:
     """One SSE chunk per engine output that adds something, then the usage chunk if asked."""
     tracker = DeltaTracker(ctx.n, token_chunks=ctx.tokenizer is None)
+
+    def usage_so_far() -> Usage | None:
+        return tracker.usage(ctx.prompts) if ctx.continuous_usage else None
+
     if opening:
-        yield chunk(opening)
+        yield chunk(opening, usage_so_far())
     async for prompt_index, output in stream:
         choices = [choice(d) for d in tracker.deltas(prompt_index, output)]
         if choices:
-            yield chunk(choices)
+            yield chunk(choices, usage_so_far())
     if ctx.include_usage:
         yield chunk([], tracker.usage(ctx.prompts))
 
 
 async def guarded(stream: Stream, events: AsyncIterator[str]) -> AsyncIterator[str]:
-    """Ends with [DONE]; an error mid-stream becomes an error event. A client that leaves
-    cancels this generator, and closing ``stream`` aborts its requests."""
+    """Ends with [DONE]; an error mid-stream becomes an error event (a server failure's in
+    our words, its exception in the log). A client that leaves cancels this generator, and
+    closing ``stream`` aborts its requests."""
     async with aclosing(stream), aclosing(events):  # type: ignore[type-var]
         try:
             async for text in events:
                 yield text
-        except APIError as error:
-            yield error.sse_event()
-        except ValueError as error:
-            yield bad_request(cause_message(error)).sse_event()
         except Exception as error:
-            yield internal_error(error).sse_event()
+            yield as_api_error(error).sse_event()
     yield DONE

@@ -1,28 +1,46 @@
 """The OpenAI-compatible HTTP protocol: request and response bodies as pydantic models.
 
 Pydantic checks shapes and types only. Ranges are checked once, by ``SamplingParams``, so an
-out-of-range value gets the same message over HTTP as in the offline API.
+out-of-range value gets the same message over HTTP as in the offline API. A field a body
+does not declare is refused (unsupported_fields.py says how it is named).
 """
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from cluster.serve.unsupported_fields import MESSAGE_FIELDS, REQUEST_FIELDS, without_empty
 from router.sampling_params import SamplingParams
 
 Prompt = str | list[int] | list[str] | list[list[int]]
 
 
-class StreamOptions(BaseModel):
+class RequestPart(BaseModel):
+    """A request body or a part of one: fields it does not declare are refused, except the
+    known ones in ``ignorable`` that ask for nothing (null, empty, or tandem's own way)."""
+
+    model_config = ConfigDict(extra="forbid")
+    ignorable: ClassVar[frozenset[str]] = frozenset()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_ignorable(cls, data: Any) -> Any:
+        # a declared field keeps its own validation (completions' echo is one of vLLM's names)
+        return without_empty(data, cls.ignorable - cls.model_fields.keys())
+
+
+class StreamOptions(RequestPart):
     include_usage: bool = Field(False, description="Send a final chunk carrying `usage`.")
+    continuous_usage_stats: bool = Field(False, description="Every chunk carries `usage` so "
+                                         "far (vLLM's option; guidellm sends it).")
 
 
-class SamplingFields(BaseModel):
+class SamplingFields(RequestPart):
     """Fields shared by completions and chat completions."""
 
-    model_config = ConfigDict(extra="ignore")
+    ignorable = REQUEST_FIELDS
 
     model: str | None = Field(None, description="The served model's name (see /v1/models).")
     temperature: float = Field(1.0, description="0 is greedy; higher is more random.")
@@ -54,6 +72,10 @@ class SamplingFields(BaseModel):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    @property
+    def continuous_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.continuous_usage_stats
+
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         """Raises ValueError with SamplingParams' message for out-of-range values."""
         return SamplingParams(
@@ -80,12 +102,14 @@ class CompletionRequest(SamplingFields):
                        "(not with logprobs).")
 
 
-class TextPart(BaseModel):
+class TextPart(RequestPart):
     type: Literal["text"] = Field(description="Only text parts are supported.")
     text: str = Field(description="The part's text.")
 
 
-class ChatMessage(BaseModel):
+class ChatMessage(RequestPart):
+    ignorable = MESSAGE_FIELDS
+
     role: Literal["system", "user", "assistant", "tool", "developer"] = Field(
         description="Who wrote the message.")
     content: str | list[TextPart] | None = Field(None, description="The message's text.")

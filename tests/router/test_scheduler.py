@@ -123,7 +123,7 @@ def test_abort_frees_everything_at_once():
     ({"temperature": -0.5}, "temperature must be >= 0, got -0.5"),
     ({"top_p": 0.0}, "top_p must be in (0, 1], got 0.0"),
     ({"top_p": 1.5}, "top_p must be in (0, 1], got 1.5"),
-    ({"n": 0}, "n must be at least 1, got 0"),
+    ({"n": 0}, "n must be in [1, 128], got 0"),
     ({"stop": [""]}, "stop strings must not be empty"),
     ({"min_tokens": 5, "max_tokens": 4}, "min_tokens must be in [0, max_tokens=4], got 5"),
     ({"min_tokens": -1}, "min_tokens must be in [0, max_tokens=16], got -1"),

@@ -6,6 +6,7 @@ applications: the open one at `/` and one that needs an API key at `/keyed`.
 
 import json
 import socket
+import threading
 import time
 
 import httpx2 as httpx
@@ -172,6 +173,49 @@ def test_bad_requests_get_openai_errors(base_url, route, body, status, param):
     assert error["message"] and error["type"]
     if param is not None:
         assert error["param"] == param, error
+
+
+def test_a_bad_seed_or_a_lone_surrogate_is_a_400_while_others_stream_on(client, base_url):
+    """A seed past 64 bits used to crash the shard, failing every request of its replica, and
+    a lone surrogate was a 500 from the tokenizer: now each is a 400 while the streams beside
+    it run on to a clean run's text. The n samples of seed 2**64 - 1 (seeds past it wrap)
+    reach the engine and are answered."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    settings = dict(prompt=PROMPT, max_tokens=48, extra_body={"ignore_eos": True}, **greedy())
+    expected = client.completions.create(**settings).choices[0].text
+    started = threading.Barrier(5)
+
+    def stream_text() -> str:
+        chunks = iter(client.completions.create(stream=True, **settings))
+        text = next(chunks).choices[0].text
+        started.wait(timeout=60)  # every stream is under way before the bad requests come
+        return text + "".join(c.choices[0].text for c in chunks)
+
+    def post(route: str, body: dict) -> httpx.Response:
+        return httpx.post(f"{base_url}/v1/{route}", content=json.dumps(body), timeout=60,
+                          headers={"Content-Type": "application/json"})
+
+    with ThreadPoolExecutor(4) as pool:
+        streams = [pool.submit(stream_text) for _ in range(4)]
+        started.wait(timeout=60)
+        seed = post("completions", {"prompt": PROMPT, "seed": 2**64, "max_tokens": 4})
+        chat = post("chat/completions", {"messages": [{"role": "user", "content": "x\ud800y"}]})
+        text = post("completions", {"prompt": "x\ud800y", "max_tokens": 4})
+        wrapped = client.completions.create(prompt=PROMPT, n=2, seed=2**64 - 1, max_tokens=4,
+                                            temperature=1.0, model=MODEL)
+        texts = [s.result(timeout=120) for s in streams]
+    assert texts == [expected] * 4
+    assert seed.status_code == 400 and seed.json()["error"] == {
+        "message": "seed must be a 64-bit integer, in [-2**63, 2**64), got 18446744073709551616",
+        "type": "invalid_request_error", "param": "seed", "code": None}
+    surrogate = ("is not valid UTF-8 text: character 1 is a lone surrogate ('\\ud800'), which "
+                 "has no encoding")
+    assert chat.status_code == 400
+    assert chat.json()["error"]["message"] == f"messages[0].content {surrogate}"
+    assert text.status_code == 400 and text.json()["error"]["message"] == f"prompt {surrogate}"
+    assert [c.index for c in wrapped.choices] == [0, 1]
+    assert httpx.get(f"{base_url}/health").status_code == 200
 
 
 def test_disconnect_mid_stream_aborts_and_frees_blocks(client, base_url):
