@@ -176,7 +176,7 @@ class DecodeGraphs:
         self.outputs: dict[int, torch.Tensor] = {}
 
     def num_splits(self, bucket: int) -> int:
-        kv_heads = self.kv_caches[0][0].shape[2]
+        kv_heads = self.kv_caches[0].num_kv_heads
         return choose_num_splits(bucket, kv_heads, self.max_model_len, num_sms(self.device))
 
     def args(self, bucket: int) -> tuple:

@@ -1,20 +1,42 @@
-"""Sizing and allocating the paged KV cache of one worker."""
+"""Sizing and allocating the paged KV cache of one worker, in the format kv_cache_dtype names
+(kvstore/kv_format.py): the model's dtype, or int8 / fp8 elements with a float16 scale per
+token and kv head beside each layer's K and V."""
 
 import torch
 from transformers import PretrainedConfig
 
+from kvstore.kv_format import KVFormat, check_device_supports
+from kvstore.kv_format import kv_format as format_named
+from workers.attention.kv_quant import SCALE_DTYPE, element_dtype
+from workers.attention.layer_cache import LayerKVCache
 from workers.models.llama import kv_cache_shape_per_layer, num_layers
 
-KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
+KVCaches = list[LayerKVCache]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def resolve_kv_format(name: str, dtype: torch.dtype, device: torch.device) -> KVFormat:
+    """kv_cache_dtype ``name`` for a model of ``dtype`` on ``device``; ValueError at start-up
+    for a name that is no format or a format the device cannot hold."""
+    fmt = format_named(name, dtype_name(dtype))
+    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    check_device_supports(fmt, has_float8=hasattr(torch, "float8_e4m3fn"),
+                          cuda_capability=capability)
+    return fmt
 
 
 def kv_bytes_per_block(
-    config: PretrainedConfig, tp_size: int, block_size: int, dtype: torch.dtype
+    config: PretrainedConfig, tp_size: int, block_size: int, dtype: torch.dtype,
+    kv_format: KVFormat | None = None,
 ) -> int:
-    """2 (K and V) x layers x local kv heads x head_dim x bytes, for block_size tokens."""
+    """2 (K and V) x layers x local kv heads x (head_dim x bytes + scale bytes), for block_size
+    tokens; kv_format None: elements of the model's ``dtype``, no scales."""
     kv_heads, head_dim = kv_cache_shape_per_layer(config, tp_size)
-    element = torch.empty((), dtype=dtype).element_size()
-    return 2 * num_layers(config) * kv_heads * head_dim * element * block_size
+    fmt = kv_format or unquantized(dtype)
+    return fmt.bytes_per_block(num_layers(config), kv_heads, head_dim, block_size)
 
 
 def allocate_kv_caches(
@@ -24,11 +46,24 @@ def allocate_kv_caches(
     block_size: int,
     dtype: torch.dtype,
     device: torch.device,
+    kv_format: KVFormat | None = None,
 ) -> KVCaches:
+    """Zeroed caches of every layer; kv_format None: elements of the model's ``dtype``."""
     kv_heads, head_dim = kv_cache_shape_per_layer(config, tp_size)
+    fmt = kv_format or unquantized(dtype)
     shape = (num_blocks, block_size, kv_heads, head_dim)
-    return [
-        (torch.zeros(shape, dtype=dtype, device=device),
-         torch.zeros(shape, dtype=dtype, device=device))
-        for _ in range(num_layers(config))
-    ]
+    elements = element_dtype(fmt)
+
+    def layer() -> LayerKVCache:
+        k, v = (torch.zeros(shape, dtype=elements, device=device) for _ in range(2))
+        if not fmt.quantized:
+            return LayerKVCache(k, v)
+        k_scale, v_scale = (torch.zeros(shape[:3], dtype=SCALE_DTYPE, device=device)
+                            for _ in range(2))
+        return LayerKVCache(k, v, k_scale, v_scale)
+
+    return [layer() for _ in range(num_layers(config))]
+
+
+def unquantized(dtype: torch.dtype) -> KVFormat:
+    return format_named("auto", dtype_name(dtype))

@@ -12,7 +12,7 @@ import torch
 from workers.attention.reference import ReferenceAttentionBackend
 from workers.gc_freeze import freeze_start_up_objects
 from workers.input_batch import DecodeRows, build_decode_rows, build_input_batch, decode_batch
-from workers.kv_cache import KVCaches, allocate_kv_caches, kv_bytes_per_block
+from workers.kv_cache import KVCaches, allocate_kv_caches, kv_bytes_per_block, resolve_kv_format
 from workers.layers.parallel import TensorParallelGroup
 from workers.loader import load_model
 from workers.pending import Lookahead, PendingRead, copied_event, to_host
@@ -35,6 +35,7 @@ class WorkerConfig:
     device: str = "cpu"
     dtype: str = "auto"  # auto: float32 on the CPU, bfloat16 on a GPU
     block_size: int = 16
+    kv_cache_dtype: str = "auto"  # auto (the model's dtype) | int8 | fp8: kvstore/kv_format.py
     attention_backend: str = "auto"  # auto | reference | triton
     cpu_kv_cache_bytes: int = 1 << 30  # KV budget on the CPU, where free memory is not probed
     gpu_memory_utilization: float = 0.9
@@ -81,6 +82,7 @@ class Worker:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self._use_device()
         self.dtype = config.torch_dtype
+        self.kv_format = resolve_kv_format(config.kv_cache_dtype, self.dtype, self.device)
         backend = make_attention_backend(config.attention_backend, self.device)
         self.model, self.hf_config = load_model(
             config.model_path, self.dtype, self.device, self.tp, backend
@@ -115,7 +117,7 @@ class Worker:
         """How many KV blocks fit: a fixed budget on the CPU, free memory on a GPU."""
         self._use_device()
         block_bytes = kv_bytes_per_block(
-            self.hf_config, self.tp.size, self.config.block_size, self.dtype
+            self.hf_config, self.tp.size, self.config.block_size, self.dtype, self.kv_format
         ) + (self.draft.bytes_per_block() if self.draft is not None else 0)
         if self.device.type != "cuda":
             return max(1, self.config.cpu_kv_cache_bytes // block_bytes)
@@ -172,7 +174,7 @@ class Worker:
         self.graphs = None  # graphs hold the old cache's addresses
         self.kv_caches = allocate_kv_caches(
             self.hf_config, self.tp.size, num_blocks, self.config.block_size, self.dtype,
-            self.device,
+            self.device, self.kv_format,
         )
         if self.draft is not None:
             self.draft.allocate(num_blocks)

@@ -1,9 +1,11 @@
-"""`tandem bench {latency,throughput,prefix,serve,speculative,tp-scaling}`: the arguments; the
-work of the first three is in commands.py, serve's in serve_bench.py (its load in
-serve_load.py), speculative's in speculative.py, tp-scaling's in tp_scaling.py."""
+"""`tandem bench {latency,throughput,prefix,serve,speculative,tp-scaling,kv-accuracy,
+capacity}`: the arguments; the work of the first three is in commands.py, serve's in
+serve_bench.py (its load in serve_load.py), speculative's in speculative.py, tp-scaling's in
+tp_scaling.py, kv-accuracy's in kv_accuracy.py, capacity's in capacity.py."""
 
 import argparse
 
+from cluster.bench.capacity import add_capacity_parser
 from cluster.bench.serve_bench import add_serve_bench_parser
 from cluster.bench.shapes import SHAPES
 from cluster.bench.speculative import add_speculative_parser
@@ -32,6 +34,8 @@ def common_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--cpu-kv-cache-gb", type=float, default=2.0)
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8"],
+                        help="how the KV cache stores K and V (default: as --dtype)")
     parser.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output",
@@ -83,6 +87,38 @@ def add_tp_scaling_parser(workloads: argparse._SubParsersAction) -> None:
                         help="multi-step calls also run the next call's first step")
     parser.add_argument("--output", default="bench-results/w7.json")
     parser.set_defaults(handler=run_tp_scaling)
+
+
+def run_kv_accuracy(args: argparse.Namespace) -> int:
+    from cluster.bench.kv_accuracy import kv_accuracy
+
+    return kv_accuracy(args)
+
+
+def add_kv_accuracy_parser(workloads: argparse._SubParsersAction) -> None:
+    parser = workloads.add_parser("kv-accuracy", help="quantized vs unquantized KV cache: "
+                                  "top-1 agreement and perplexity under teacher forcing")
+    parser.add_argument("--model", default="smollm2-135m-instruct",
+                        help="catalog name or HF folder (default: %(default)s)")
+    parser.add_argument("--kv-cache-dtype", dest="formats", nargs="+", choices=["int8", "fp8"],
+                        default=["int8", "fp8"], help="the quantized formats (default: both)")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16",
+                                                            "float16"],
+                        help="the model's and the reference cache's (auto: float32 on the CPU)")
+    parser.add_argument("--device", help="cpu | cuda | cuda:N (default: cuda if present)")
+    parser.add_argument("--attention-backend", default="auto",
+                        choices=["auto", "reference", "triton"])
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--max-tokens-per-text", type=int, default=1024)
+    parser.add_argument("--chat-prompts", type=int, default=8,
+                        help="greedy chat answers compared, of 8 fixed questions (0: none)")
+    parser.add_argument("--chat-tokens", type=int, default=64)
+    parser.add_argument("--chat-kv-blocks", type=int, default=256,
+                        help="KV blocks of the engines that answer")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--output",
+                        help="JSON path (default: bench-results/kv-accuracy-<time>.json)")
+    parser.set_defaults(handler=run_kv_accuracy)
 
 
 def add_bench_parsers(subparsers: argparse._SubParsersAction) -> None:
@@ -143,3 +179,5 @@ def add_bench_parsers(subparsers: argparse._SubParsersAction) -> None:
     add_serve_bench_parser(workloads)  # W3: cluster/bench/serve_bench.py (serving owns it)
     add_speculative_parser(workloads, common_arguments)  # W5: cluster/bench/speculative.py
     add_tp_scaling_parser(workloads)  # W7: cluster/bench/tp_scaling.py
+    add_kv_accuracy_parser(workloads)  # cluster/bench/kv_accuracy.py
+    add_capacity_parser(workloads, common_arguments)  # W6: cluster/bench/capacity.py

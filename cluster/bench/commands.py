@@ -87,7 +87,7 @@ class Setup:
             decode_lookahead=a.decode_lookahead,
             gpu_memory_utilization=a.gpu_memory_utilization,
             cpu_kv_cache_gb=a.cpu_kv_cache_gb, attention_backend=a.attention_backend,
-            seed=a.seed, block_size=a.block_size,
+            seed=a.seed, block_size=a.block_size, kv_cache_dtype=a.kv_cache_dtype,
         )
         return make_llm(self.folder, **(engine_args | overrides))
 

@@ -28,7 +28,7 @@ def engine_config(args: argparse.Namespace, folder: str, dtype: str, device: str
         decode_lookahead=args.decode_lookahead, cpu_kv_cache_gb=args.cpu_kv_cache_gb,
         gpu_memory_utilization=args.gpu_memory_utilization * share, gpu_fraction=share,
         attention_backend=args.attention_backend, seed=args.seed,
-        num_kv_blocks=args.num_kv_blocks,
+        num_kv_blocks=args.num_kv_blocks, kv_cache_dtype=args.kv_cache_dtype,
     )
 
 

@@ -32,6 +32,8 @@ FLAGS: dict[str, tuple[tuple[str, ...], type, str]] = {
                 f"${environment.API_KEY.name})"),
     "max_body_bytes": (("--max-body-bytes",), int, "larger request bodies get 413 (4 MiB)"),
     "dtype": (("--dtype",), str, "auto | float32 | bfloat16 | float16"),
+    "kv_cache_dtype": (("--kv-cache-dtype",), str, "auto (as --dtype) | int8 | fp8 (e4m3, "
+                       "GPUs of compute capability 8.9+): about twice the KV blocks"),
     "device": (("--device",), str, "auto | cpu | cuda"),
     "gpu_memory_utilization": (("--gpu-memory-utilization",), float,
                                "share of the GPU's memory each engine takes (default: 0.9)"),
@@ -56,11 +58,6 @@ SWITCHES = {  # ServeConfig field -> (flag, help): --flag / --no-flag
     "decode_lookahead": ("--decode-lookahead", "multi-step calls also run the next call's first "
                          "step (default: off for serving)"),
 }
-# vLLM's flags for what tandem does not have yet: refused with a message, never ignored
-NOT_YET = {
-    "--kv-cache-dtype": "quantized KV caches are not implemented yet (only 'auto')",
-}
-ACCEPTED = {"--kv-cache-dtype": "auto"}  # the one value of those flags that is today's behaviour
 # vLLM's older speculative flags -> speculative_config's keys (--speculative-config is the JSON)
 SPECULATIVE_FLAGS = {
     "--speculative-model": ("model", str),
@@ -85,8 +82,6 @@ def add_serve_command(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--no-prefix-caching", dest="enable_prefix_caching",
                         action="store_false", default=None,
                         help="the same as --no-enable-prefix-caching")
-    for flag, reason in NOT_YET.items():
-        parser.add_argument(flag, dest=dest(flag), help=f"not yet: {reason}")
     parser.add_argument("--speculative-config", help="speculative decoding as JSON, vLLM's "
                         "keys: '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}'")
     for flag, (key, kind) in SPECULATIVE_FLAGS.items():
@@ -101,10 +96,6 @@ def add_serve_command(subparsers: argparse._SubParsersAction) -> None:
 
 def serve_config(args: argparse.Namespace) -> ServeConfig:
     """The ServeConfig the flags ask for; ValueError naming each flag that is wrong."""
-    refused = [f"{flag}: {reason}" for flag, reason in NOT_YET.items()
-               if getattr(args, dest(flag)) not in (None, ACCEPTED.get(flag))]
-    if refused:
-        raise ValueError("not supported:\n  " + "\n  ".join(refused))
     if args.model_name and args.model and args.model_name != args.model:
         raise ValueError(f"two models given: {args.model_name!r} and --model {args.model!r}")
     values = {f: getattr(args, f) for f in [*FLAGS, *SWITCHES] if getattr(args, f) is not None}

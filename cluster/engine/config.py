@@ -8,6 +8,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from cluster import environment
+from kvstore.kv_format import check_kv_cache_dtype
 from workers.spec.config import SpeculativeConfig
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -31,6 +32,10 @@ class EngineConfig:
                         "`bfloat16`, `float16`")
     device: str = option("auto", "`cuda` when present, else `cpu`; or `cpu`, `cuda`, `cuda:N`")
     block_size: int = option(16, "tokens per KV block")
+    kv_cache_dtype: str = option("auto", "how the KV cache stores K and V: `auto` (as `dtype`), "
+                                 "`int8` or `fp8` (e4m3; GPUs of compute capability 8.9+), "
+                                 "each with a scale per token and head: about twice the "
+                                 "blocks of bfloat16")
     num_kv_blocks: int | None = option(None, "KV blocks in all; by default as many as "
                                        "`cpu_kv_cache_gb` or `gpu_memory_utilization` allow",
                                        shown="from memory")
@@ -126,6 +131,7 @@ class EngineConfig:
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+        check_kv_cache_dtype(self.kv_cache_dtype)  # the device's own checks run in its worker
         speculation = self.speculation  # its own checks, with their messages
         if speculation is not None and speculation.model and self.tensor_parallel_size > 1:
             raise ValueError("a draft model with tensor_parallel_size > 1 is not built yet "

@@ -63,7 +63,8 @@ def worker_config(config: EngineConfig, folder: Path) -> WorkerConfig:
         draft = str(resolve_model(speculation.model, config.cache_dir))
     return WorkerConfig(
         model_path=str(folder), device=config.resolved_device, dtype=config.dtype,
-        block_size=config.block_size, attention_backend=config.attention_backend,
+        block_size=config.block_size, kv_cache_dtype=config.kv_cache_dtype,
+        attention_backend=config.attention_backend,
         cpu_kv_cache_bytes=int(config.cpu_kv_cache_gb * (1 << 30)),
         gpu_memory_utilization=config.gpu_memory_utilization,
         max_num_batched_tokens=config.max_num_batched_tokens, seed=config.seed,
@@ -119,9 +120,12 @@ class LLMEngine:
         if not config.enable_chunked_prefill:
             self.model_len = min(self.model_len, config.max_num_batched_tokens)
             self.max_model_len = min(self.max_model_len, config.max_num_batched_tokens)
-        # the model as the user named it isolates caches of different models; the router
+        # the model as the user named it isolates caches of different models, and a quantized
+        # format blocks of another format (one a tier or a peer could hand over); the router
         # hashes prompts with the same keys (kv_hash_keys) to find them in the directory
-        self.kv_hash_keys = (config.block_size, (config.model,))
+        extra_keys = (config.model,) if config.kv_cache_dtype == "auto" else (
+            config.model, f"kv_cache_dtype={config.kv_cache_dtype}")
+        self.kv_hash_keys = (config.block_size, extra_keys)
         kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
                             extra_keys=self.kv_hash_keys[1])
         self.kv_events = None if replica_index is None else KVEventPublisher(kv, replica_index)

@@ -37,7 +37,10 @@ class ServeConfig(BaseModel):
     max_ongoing_requests: int = Field(1024, ge=1, description="Requests the ingress accepts "
                                       "at once.")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="The weights' and KV cache's dtype.")
+        "auto", description="The weights' and activations' dtype.")
+    kv_cache_dtype: Literal["auto", "int8", "fp8"] = Field(
+        "auto", description="How the KV cache stores K and V: auto (as dtype), int8 or fp8 "
+        "(e4m3, GPUs of compute capability 8.9+), each with a scale per token and head.")
     device: str = Field("auto", description="auto | cpu | cuda.")
     max_model_len: int | None = Field(None, ge=2, description="Context length; default: the "
                                       "model's.")
@@ -92,7 +95,8 @@ class ServeConfig(BaseModel):
     def engine_config(self) -> EngineConfig:
         return EngineConfig(
             model=self.model, dtype=self.dtype, device=self.device,
-            block_size=self.block_size, num_kv_blocks=self.num_kv_blocks,
+            kv_cache_dtype=self.kv_cache_dtype, block_size=self.block_size,
+            num_kv_blocks=self.num_kv_blocks,
             max_num_batched_tokens=self.max_num_batched_tokens, max_num_seqs=self.max_num_seqs,
             max_model_len=self.max_model_len, enable_prefix_caching=self.enable_prefix_caching,
             tensor_parallel_size=self.tensor_parallel_size,

@@ -22,6 +22,12 @@ def test_every_kernel_compiles_for_sm_90():
     for kernel in KERNELS:
         variants = [line for line in compiled if line.startswith(kernel + " ")]
         assert variants, f"{kernel} was not compiled"
+    # a quantized cache's store, attention-input and attention kernels, int8 and e4m3
+    for kernel in ("_store_kv_kernel", "_attention_input_kernel", "_extend_kernel",
+                   "_decode_split_kernel"):
+        for element in ("*i8", "*fp8e4nv"):
+            assert any(line.startswith(kernel + " ") and element in line
+                       and "'QUANTIZED': True" in line for line in compiled), (kernel, element)
     gemv = [line for line in compiled if line.startswith("_gemv_kernel ")]
     for dtype in ("*bf16", "*fp16", "*fp32"):  # the activation dtypes
         assert any(dtype in line for line in gemv), f"no {dtype} one-token projection"

@@ -16,9 +16,9 @@ from safetensors.torch import load_file
 from tests.workers.gloo_group import gloo_group
 from workers.attention.metadata import AttentionMetadata
 from workers.attention.reference import ReferenceAttentionBackend
+from workers.kv_cache import allocate_kv_caches
 from workers.layers.parallel import TensorParallelGroup
 from workers.loader import load_model
-from workers.models.llama import kv_cache_shape_per_layer, num_layers
 
 BLOCK_SIZE = 4
 BLOCK_TABLE = [3, 1, 0, 6]  # deliberately out of order: 13 tokens span 4 blocks
@@ -84,11 +84,11 @@ def metadata(start: int, end: int) -> AttentionMetadata:
 
 
 @torch.no_grad()
-def prefill_then_decode(model, config, token_ids, tp_size: int = 1):
-    """(prefill logits (12, vocab), decode logits (1, vocab)) through a fresh paged cache."""
-    kv_heads, head_dim = kv_cache_shape_per_layer(config, tp_size)
-    shape = (NUM_BLOCKS, BLOCK_SIZE, kv_heads, head_dim)
-    caches = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(num_layers(config))]
+def prefill_then_decode(model, config, token_ids, tp_size: int = 1, kv_format=None):
+    """(prefill logits (12, vocab), decode logits (1, vocab)) through a fresh paged cache, in
+    kv_format (kvstore/kv_format.py; None: float32)."""
+    caches = allocate_kv_caches(config, tp_size, NUM_BLOCKS, BLOCK_SIZE, torch.float32,
+                                torch.device("cpu"), kv_format)
     outputs = []
     for start, end in [(0, PROMPT_LEN), (PROMPT_LEN, PROMPT_LEN + 1)]:
         hidden = model(token_ids[start:end], torch.arange(start, end), caches, metadata(start, end))

@@ -11,6 +11,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from workers.attention.layer_cache import LayerKVCache  # noqa: E402
 from workers.attention.metadata import AttentionMetadata, longest_first  # noqa: E402
 from workers.attention.reference import ReferenceAttentionBackend, paged_attention  # noqa: E402
 from workers.attention.triton_backend import TritonAttentionBackend  # noqa: E402
@@ -67,8 +68,9 @@ def check_against_reference(batch, dtype):
     q, k, v, k_cache, v_cache, meta = batch
     scale = q.shape[-1] ** -0.5
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
-    expected = ReferenceAttentionBackend().forward(q, k, v, k_ref, v_ref, meta, scale)
-    got = TritonAttentionBackend().forward(q, k, v, k_cache, v_cache, meta, scale)
+    expected = ReferenceAttentionBackend().forward(q, k, v, LayerKVCache(k_ref, v_ref), meta,
+                                                   scale)
+    got = TritonAttentionBackend().forward(q, k, v, LayerKVCache(k_cache, v_cache), meta, scale)
     assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
     tol = TOLERANCE[dtype]
     torch.testing.assert_close(got.float(), expected.float(), atol=tol, rtol=tol)
@@ -187,8 +189,8 @@ def test_extend_walks_unmasked_keys_then_the_diagonal(block_m, block_n):
     q, k, v, k_cache, v_cache, meta = make_batch(seq_lens, q_lens, 4, 2, 32, 8, torch.float32,
                                                  seed=6)
     scale = q.shape[-1] ** -0.5
-    expected = ReferenceAttentionBackend().forward(q, k, v, k_cache.clone(), v_cache.clone(),
-                                                   meta, scale)
+    expected = ReferenceAttentionBackend().forward(
+        q, k, v, LayerKVCache(k_cache.clone(), v_cache.clone()), meta, scale)
     store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     got = extend_attention(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens,
                            meta.block_tables, meta.max_query_len, scale, block_m=block_m,

@@ -26,16 +26,20 @@ from triton.runtime import interpreter  # noqa: E402
 
 @contextlib.contextmanager
 def patched_interpreter():
-    """Two bugs of Triton 3.6's interpreter that the GPU compiler does not have, patched while
-    the context lasts:
+    """Three bugs of Triton 3.6's interpreter that the GPU compiler does not have, patched
+    while the context lasts:
 
     - it calls int() on a scalar held as a 1-element array, which numpy >= 2.4 refuses, so
       ``range(start, end)`` over loaded bounds fails (triton-lang/triton#9171, fixed by #9172);
     - it stores bfloat16 as uint16 and ``tl.dot`` multiplies those bit patterns
-      (triton-lang/triton#11584): convert bfloat16 operands to float32 first.
+      (triton-lang/triton#11584): convert bfloat16 operands to float32 first;
+    - its float32 -> float8 e4m3 conversion adds the rounding bit to the mantissa without
+      carrying into the exponent (7.9 becomes 4.0, not 8.0) and breaks no ties to even:
+      convert float8 e4m3 both ways through torch, which rounds as the GPU's cvt.rn does.
     """
     original_patch_tensor = interpreter._patch_lang_tensor
     original_dot = interpreter.InterpreterBuilder.create_dot
+    original_fp_to_fp = interpreter.InterpreterBuilder.create_fp_to_fp
 
     def patch_lang_tensor(tensor, scope):
         original_patch_tensor(tensor, scope)
@@ -51,9 +55,22 @@ def patched_interpreter():
         a, b = as_float32(a), as_float32(b)
         return original_dot(self, a, b, d, input_precision, max_num_imprecise_acc)
 
+    def create_fp_to_fp(self, src, dst_type, rounding_mode):
+        pair = (src.dtype.scalar, dst_type.scalar)
+        if pair == (tl.float32, tl.float8e4nv):
+            data = torch.from_numpy(np.ascontiguousarray(src.data, dtype=np.float32))
+            data = data.to(torch.float8_e4m3fn).view(torch.uint8).numpy()
+        elif pair == (tl.float8e4nv, tl.float32):
+            data = torch.from_numpy(np.ascontiguousarray(src.data).view(np.uint8))
+            data = data.view(torch.float8_e4m3fn).to(torch.float32).numpy()
+        else:
+            return original_fp_to_fp(self, src, dst_type, rounding_mode)
+        return interpreter.TensorHandle(data, dst_type.scalar)
+
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(interpreter, "_patch_lang_tensor", patch_lang_tensor)
         patch.setattr(interpreter.InterpreterBuilder, "create_dot", create_dot)
+        patch.setattr(interpreter.InterpreterBuilder, "create_fp_to_fp", create_fp_to_fp)
         yield
 
 

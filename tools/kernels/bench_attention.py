@@ -7,6 +7,7 @@ Shapes are Llama-3.2-1B's attention: 32 query heads, 8 kv heads, head_dim 64, bl
 
 import torch
 
+from workers.attention.layer_cache import LayerKVCache
 from workers.attention.metadata import AttentionMetadata
 from workers.attention.reference import ReferenceAttentionBackend
 from workers.attention.triton_backend import TritonAttentionBackend, num_sms
@@ -65,8 +66,10 @@ def compare(batch, dtype) -> tuple[bool, float]:
     q, k, v, k_cache, v_cache, meta = batch
     scale = HEAD_DIM**-0.5
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
-    expected = ReferenceAttentionBackend().forward(q, k, v, k_ref, v_ref, meta, scale).float()
-    got = TritonAttentionBackend().forward(q, k, v, k_cache, v_cache, meta, scale).float()
+    expected = ReferenceAttentionBackend().forward(q, k, v, LayerKVCache(k_ref, v_ref), meta,
+                                                   scale).float()
+    got = TritonAttentionBackend().forward(q, k, v, LayerKVCache(k_cache, v_cache), meta,
+                                           scale).float()
     assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref), "store_kv differs"
     tol = TOLERANCE[dtype]  # relative too: one bf16 ulp of an output near 4 is 0.03
     ok = torch.allclose(got, expected, atol=tol, rtol=tol)

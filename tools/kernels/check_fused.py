@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig, Qwen3Config
 
+from workers.attention.layer_cache import LayerKVCache
 from workers.attention.metadata import AttentionMetadata
 from workers.attention.triton_backend import TritonAttentionBackend
 from workers.layers.attention_input import attention_input
@@ -102,7 +103,7 @@ def build_models(config, dtype: torch.dtype, device: str) -> tuple[LlamaForCausa
 def kv_caches(config, num_blocks: int, dtype: torch.dtype, device: str) -> list:
     shape = (num_blocks, BLOCK_SIZE, config.num_key_value_heads, head_dim_of(config))
     return [
-        (
+        LayerKVCache(
             torch.zeros(shape, device=device, dtype=dtype),
             torch.zeros(shape, device=device, dtype=dtype),
         )
@@ -176,12 +177,12 @@ def time_decode(config) -> list[str]:
     hidden = torch.randn(1, config.hidden_size, device="cuda", dtype=torch.bfloat16)
     residual = torch.randn(1, config.hidden_size, device="cuda", dtype=torch.bfloat16)
     cos, sin = plain.model.rotary_emb(positions, torch.bfloat16)
-    k_cache, v_cache = caches[0]
+    cache = caches[0]
     plain_layer, fused_layer = plain.model.layers[0], fused.model.layers[0]
     runs = {
-        "layer plain": lambda: plain_layer(hidden, cos, sin, k_cache, v_cache, meta),
+        "layer plain": lambda: plain_layer(hidden, cos, sin, cache, meta),
         "layer fused": lambda: fused_layer.forward_one_token(
-            hidden, residual, cos, sin, k_cache, v_cache, meta
+            hidden, residual, cos, sin, cache, meta
         ),
         "step plain": lambda: plain(ids, positions, caches, meta),
         "step fused": lambda: fused(ids, positions, caches, meta),

@@ -28,7 +28,8 @@ from triton.runtime.jit import JITFunction  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)  # H100 / H200
 TYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16",
-              torch.int64: "i64", torch.int32: "i32", torch.int8: "i8", torch.uint8: "u8"}
+              torch.int64: "i64", torch.int32: "i32", torch.int8: "i8", torch.uint8: "u8",
+              torch.float8_e4m3fn: "fp8e4nv"}
 
 
 def type_name(value: object) -> str:
@@ -140,6 +141,9 @@ def compile_all() -> None:
         call("silu_and_mul", silu_and_mul, zeros(64, 2 * inter))
         call("silu_and_mul, row scale", silu_and_mul, zeros(64, 2 * inter), row_scale=(h, 1e-6))
         compile_attention(zeros, heads, kv_heads, head_dim)
+    for hidden, heads, kv_heads, head_dim, _ in shapes[:2]:  # head_dim 64 and 128
+        for element in (torch.int8, torch.float8_e4m3fn):
+            compile_quantized_kv(torch.bfloat16, element, hidden, heads, kv_heads, head_dim)
     for vocab in (128256, 151936):  # Llama 3's and Qwen3's; the sampler's logits are float32
         call("greedy tokens", greedy_tokens, torch.zeros(1, vocab))
     compile_push_all_reduce()
@@ -176,6 +180,41 @@ def compile_attention(zeros: Callable, heads: int, kv_heads: int, head_dim: int)
              lens, 0.1, splits)
         call(f"decode attention, {splits} split(s), rows in order", decode_attention, q, cache,
              cache, tables, lens, 0.1, splits, order=order)
+
+
+def compile_quantized_kv(dtype: torch.dtype, element: torch.dtype, hidden: int, heads: int,
+                         kv_heads: int, head_dim: int) -> None:
+    """The kernels that write or read a quantized cache: int8 or e4m3 elements, float16 scales
+    (workers/attention/kv_quant.py)."""
+    from workers.attention.triton_decode import decode_attention
+    from workers.attention.triton_prefill import extend_attention
+    from workers.attention.triton_store import store_kv
+    from workers.layers.attention_input import attention_input
+
+    batch, num_blocks, block_size = 4, 64, 16
+    cache = torch.zeros(num_blocks, block_size, kv_heads, head_dim, dtype=element)
+    scales = {"k_scale": torch.zeros(num_blocks, block_size, kv_heads, dtype=torch.float16),
+              "v_scale": torch.zeros(num_blocks, block_size, kv_heads, dtype=torch.float16)}
+    q, kv = torch.zeros(batch, heads, head_dim, dtype=dtype), torch.zeros(batch, kv_heads,
+                                                                           head_dim, dtype=dtype)
+    tables = torch.zeros(batch, 16, dtype=torch.int32)
+    lens = torch.full((batch,), 100, dtype=torch.int32)
+    starts = torch.arange(batch + 1, dtype=torch.int32)
+    what = f"{element} cache"
+    call(f"store_kv, {what}", store_kv, kv, kv, cache, cache, torch.arange(batch), **scales)
+    call(f"extend attention, {what}", extend_attention, q, cache, cache, starts, lens, tables,
+         1, 0.1, **scales)
+    for splits in (1, 2):
+        call(f"decode attention, {splits} split(s), {what}", decode_attention, q, cache, cache,
+             tables, lens, 0.1, splits, **scales)
+    qkv, rows = torch.zeros(64, (heads + 2 * kv_heads) * head_dim, dtype=dtype), torch.zeros(
+        64, head_dim, dtype=dtype)
+    slots, norm = torch.zeros(64, dtype=torch.int64), torch.zeros(head_dim, dtype=dtype)
+    call(f"attention input, {what}", attention_input, qkv, heads, rows, rows, cache, cache,
+         slots, **scales)
+    call(f"attention input, per-head norms, row scale, {what}", attention_input, qkv, heads,
+         rows, rows, cache, cache, slots, norm, norm, eps=1e-6,
+         row_scale=(torch.zeros(64, hidden, dtype=dtype), 1e-6), **scales)
 
 
 def main() -> None:

@@ -64,7 +64,7 @@ def context_tokens(step) -> int:
 def kv_bytes_per_token(engine) -> int:
     """Bytes of K and V one token holds across the layers (on the in-process worker's shard)."""
     worker = engine.executor.worker
-    return kv_bytes_per_block(worker.hf_config, worker.tp.size, 1, worker.dtype)
+    return kv_bytes_per_block(worker.hf_config, worker.tp.size, 1, worker.dtype, worker.kv_format)
 
 
 def kind_of(step) -> str:

@@ -2,6 +2,7 @@
 
 import torch
 
+from workers.attention.layer_cache import LayerKVCache
 from workers.attention.metadata import AttentionMetadata
 from workers.attention.triton_decode import choose_num_splits, decode_attention
 from workers.attention.triton_prefill import extend_attention
@@ -26,32 +27,33 @@ class TritonAttentionBackend:
         q: torch.Tensor,  # (T, heads, head_dim)
         k: torch.Tensor,  # (T, kv_heads, head_dim)
         v: torch.Tensor,  # (T, kv_heads, head_dim)
-        k_cache: torch.Tensor,  # (num_blocks, block_size, kv_heads, head_dim)
-        v_cache: torch.Tensor,
+        cache: LayerKVCache,
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        return self.attend(q, k_cache, v_cache, meta, scale)
+        store_kv(k, v, cache.k, cache.v, meta.slot_mapping, cache.k_scale, cache.v_scale)
+        return self.attend(q, cache, meta, scale)
 
-    def attend(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def attend(self, q, cache: LayerKVCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """Attention over the cache, which already holds this step's K and V."""
+        scales = {"k_scale": cache.k_scale, "v_scale": cache.v_scale}
         if meta.is_pure_decode:
             assert q.shape[0] == meta.num_seqs, "decode expects one query row per sequence"
             num_splits = meta.decode_num_splits or choose_num_splits(
-                meta.num_seqs, k_cache.shape[2], meta.max_seq_len, num_sms(q.device)
+                meta.num_seqs, cache.num_kv_heads, meta.max_seq_len, num_sms(q.device)
             )
-            return decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale,
-                                    num_splits, order=meta.decode_order)
+            return decode_attention(q, cache.k, cache.v, meta.block_tables, meta.seq_lens, scale,
+                                    num_splits, order=meta.decode_order, **scales)
         return extend_attention(
             q,
-            k_cache,
-            v_cache,
+            cache.k,
+            cache.v,
             meta.query_start_loc,
             meta.seq_lens,
             meta.block_tables,
             meta.max_query_len,
             scale,
+            **scales,
         )
 
 

@@ -15,6 +15,10 @@ Grid and buffer shapes depend only on the batch size, the head counts and the nu
 splits, never on the values of ``seq_lens``, so a CUDA graph can capture both launches.
 A sequence of length 0 (a padding row) gets an output of zeros.
 
+A quantized cache (int8 or e4m3, ``k_scale``/``v_scale`` given) is read as it is stored, one
+byte an element, with each row's float16 scale beside it, and dequantized in registers before
+the dots: half the bytes of a bfloat16 cache cross the memory bus (workers/attention/kv_quant.py).
+
 Programs start in grid order, so the grid decides which reads run side by side. The kv heads
 of one sequence come first (axis 0): they read neighbouring rows of the same cache blocks at
 the same time. With ``order`` (the batch's rows, longest context first) the long sequences
@@ -26,6 +30,8 @@ running alone. At W2's mix (batch 128, contexts 200-2,000) both together take th
 import torch
 import triton
 import triton.language as tl
+
+from workers.attention.triton_quant import check_scales, load_rows
 
 MIN_TOKENS_PER_SPLIT = 256  # below this the reduction costs more than the parallelism gains
 MAX_SPLITS = 32
@@ -39,6 +45,8 @@ def _decode_split_kernel(
     q_ptr,  # (B, heads, head_dim)
     k_cache_ptr,  # (num_blocks, block_size, kv_heads, head_dim), contiguous
     v_cache_ptr,
+    k_scale_ptr,  # (num_blocks, block_size, kv_heads) float16, when QUANTIZED
+    v_scale_ptr,
     block_tables_ptr,  # (B, max_blocks) int32
     seq_lens_ptr,  # (B,) int32
     order_ptr,  # (B,) int32: the row each program of axis 1 takes, read when ORDERED
@@ -54,6 +62,8 @@ def _decode_split_kernel(
     stride_cache_block,
     stride_cache_slot,
     stride_cache_head,
+    stride_scale_block,
+    stride_scale_slot,
     GROUP: tl.constexpr,  # query heads per kv head
     BLOCK_H: tl.constexpr,  # GROUP padded to a power of two >= 16
     HEAD_DIM: tl.constexpr,
@@ -63,6 +73,7 @@ def _decode_split_kernel(
     NUM_SPLITS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     ORDERED: tl.constexpr,
+    QUANTIZED: tl.constexpr,  # int8 or e4m3 elements, scales beside them
 ):
     kv_head = tl.program_id(0)
     seq = tl.load(order_ptr + tl.program_id(1)) if ORDERED else tl.program_id(1)
@@ -96,8 +107,11 @@ def _decode_split_kernel(
         rows = page * stride_cache_block + (pos % PAGE_SIZE) * stride_cache_slot
         kv_offs = rows[:, None] + kv_head * stride_cache_head + offs_d[None, :]
         kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_cache_ptr + kv_offs, mask=kv_mask, other=0.0).to(q.dtype)
-        v = tl.load(v_cache_ptr + kv_offs, mask=kv_mask, other=0.0).to(q.dtype)
+        scale_offs = page * stride_scale_block + (pos % PAGE_SIZE) * stride_scale_slot + kv_head
+        k = load_rows(k_cache_ptr, k_scale_ptr, kv_offs, kv_mask, scale_offs, n_mask, q.dtype,
+                      QUANTIZED)
+        v = load_rows(v_cache_ptr, v_scale_ptr, kv_offs, kv_mask, scale_offs, n_mask, q.dtype,
+                      QUANTIZED)
         # (BLOCK_N, BLOCK_D) each
 
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
@@ -191,6 +205,8 @@ def decode_attention(
     out: torch.Tensor | None = None,  # (B, heads, head_dim)
     tile: tuple[int, int, int] | None = None,  # (BLOCK_N, num_warps, num_stages)
     order: torch.Tensor | None = None,  # (B,) int32: a permutation of the rows
+    k_scale: torch.Tensor | None = None,  # (num_blocks, block_size, kv_heads): int8/e4m3 only
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Paged attention of one query token per sequence over its whole cached context.
 
@@ -204,6 +220,7 @@ def decode_attention(
     num_kv_heads, page_size = k_cache.shape[2], k_cache.shape[1]
     assert num_heads % num_kv_heads == 0 and q.stride(2) == 1
     assert k_cache.is_contiguous() and v_cache.is_contiguous()
+    scales = check_scales(k_cache, k_scale, v_scale)
     group = num_heads // num_kv_heads
     if out is None:
         out = torch.empty_like(q)
@@ -224,6 +241,7 @@ def decode_attention(
         q,
         k_cache,
         v_cache,
+        *scales,
         block_tables,
         seq_lens,
         seq_lens if order is None else order,
@@ -239,6 +257,8 @@ def decode_attention(
         k_cache.stride(0),
         k_cache.stride(1),
         k_cache.stride(2),
+        scales[0].stride(0),
+        scales[0].stride(1),
         GROUP=group,
         BLOCK_H=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim,
@@ -248,6 +268,7 @@ def decode_attention(
         NUM_SPLITS=num_splits,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         ORDERED=order is not None,
+        QUANTIZED=k_scale is not None,
         num_warps=num_warps,
         num_stages=num_stages,
     )

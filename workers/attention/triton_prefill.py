@@ -15,19 +15,25 @@ softmax: first the keys every row of its tile sees (no mask), then the few steps
 diagonal with the causal mask. Programs whose query block lies past their sequence's q_len
 exit at once, so the grid can be sized by ``max_query_len`` alone; the grid runs the last
 query blocks (the longest walks) first, so that short programs fill the tail.
+
+A quantized cache (int8 or e4m3 with ``k_scale``/``v_scale``) is dequantized in registers
+as each step loads it, the way decode does (workers/attention/triton_decode.py).
 """
 
 import torch
 import triton
 import triton.language as tl
 
+from workers.attention.triton_quant import check_scales, load_rows
+
 
 @triton.jit
 def _attend_keys(
-    q, acc, row_sum, row_max, k_cache_ptr, v_cache_ptr, block_table, n_start, offs_n, offs_d,
-    d_mask, q_pos, end, kv_head, scale_log2, stride_cache_block, stride_cache_slot,
-    stride_cache_head, PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    MASKED: tl.constexpr,
+    q, acc, row_sum, row_max, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_table,
+    n_start, offs_n, offs_d, d_mask, q_pos, end, kv_head, scale_log2, stride_cache_block,
+    stride_cache_slot, stride_cache_head, stride_scale_block, stride_scale_slot,
+    PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, MASKED: tl.constexpr,
+    QUANTIZED: tl.constexpr,
 ):  # fmt: skip
     """One online-softmax step over the keys at positions n_start + offs_n: the new (acc,
     row_sum, row_max). MASKED: some keys lie past end or past a row's own position."""
@@ -40,8 +46,11 @@ def _attend_keys(
     rows = page * stride_cache_block + (pos % PAGE_SIZE) * stride_cache_slot
     kv_offs = rows[:, None] + kv_head * stride_cache_head + offs_d[None, :]
     kv_mask = n_mask[:, None] & d_mask[None, :] if MASKED else d_mask[None, :]
-    k = tl.load(k_cache_ptr + kv_offs, mask=kv_mask, other=0.0).to(q.dtype)
-    v = tl.load(v_cache_ptr + kv_offs, mask=kv_mask, other=0.0).to(q.dtype)
+    scale_offs = page * stride_scale_block + (pos % PAGE_SIZE) * stride_scale_slot + kv_head
+    k = load_rows(k_cache_ptr, k_scale_ptr, kv_offs, kv_mask, scale_offs, n_mask, q.dtype,
+                  QUANTIZED)
+    v = load_rows(v_cache_ptr, v_scale_ptr, kv_offs, kv_mask, scale_offs, n_mask, q.dtype,
+                  QUANTIZED)
     # (BLOCK_N, BLOCK_D) each
 
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
@@ -64,6 +73,8 @@ def _extend_kernel(
     q_ptr,  # (T, heads, head_dim)
     k_cache_ptr,  # (num_blocks, block_size, kv_heads, head_dim), contiguous
     v_cache_ptr,
+    k_scale_ptr,  # (num_blocks, block_size, kv_heads) float16, when QUANTIZED
+    v_scale_ptr,
     out_ptr,  # (T, heads, head_dim)
     query_start_loc_ptr,  # (B + 1,) int32
     seq_lens_ptr,  # (B,) int32
@@ -77,6 +88,8 @@ def _extend_kernel(
     stride_cache_block,
     stride_cache_slot,
     stride_cache_head,
+    stride_scale_block,
+    stride_scale_slot,
     GROUP: tl.constexpr,  # query heads per kv head
     BLOCK_M: tl.constexpr,  # tile rows: BLOCK_Q tokens x GROUP heads, plus unused padding rows
     BLOCK_Q: tl.constexpr,  # BLOCK_M // GROUP
@@ -85,6 +98,7 @@ def _extend_kernel(
     PAGE_SIZE: tl.constexpr,  # tokens per cache block
     BLOCK_N: tl.constexpr,  # context tokens per loop step
     DOT_PRECISION: tl.constexpr,
+    QUANTIZED: tl.constexpr,  # int8 or e4m3 elements, scales beside them
 ):
     seq = tl.program_id(0)
     q_block = tl.num_programs(1) - 1 - tl.program_id(1)  # the longest walks launch first
@@ -119,15 +133,17 @@ def _extend_kernel(
     end = num_cached + tl.minimum((q_block + 1) * BLOCK_Q, q_len)  # one past the last position
     for n_start in range(0, unmasked_end, BLOCK_N):
         acc, row_sum, row_max = _attend_keys(
-            q, acc, row_sum, row_max, k_cache_ptr, v_cache_ptr, block_table, n_start, offs_n,
-            offs_d, d_mask, q_pos, end, kv_head, scale_log2, stride_cache_block,
-            stride_cache_slot, stride_cache_head, PAGE_SIZE, DOT_PRECISION, False,
+            q, acc, row_sum, row_max, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
+            block_table, n_start, offs_n, offs_d, d_mask, q_pos, end, kv_head, scale_log2,
+            stride_cache_block, stride_cache_slot, stride_cache_head, stride_scale_block,
+            stride_scale_slot, PAGE_SIZE, DOT_PRECISION, False, QUANTIZED,
         )  # fmt: skip
     for n_start in range(unmasked_end, end, BLOCK_N):
         acc, row_sum, row_max = _attend_keys(
-            q, acc, row_sum, row_max, k_cache_ptr, v_cache_ptr, block_table, n_start, offs_n,
-            offs_d, d_mask, q_pos, end, kv_head, scale_log2, stride_cache_block,
-            stride_cache_slot, stride_cache_head, PAGE_SIZE, DOT_PRECISION, True,
+            q, acc, row_sum, row_max, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
+            block_table, n_start, offs_n, offs_d, d_mask, q_pos, end, kv_head, scale_log2,
+            stride_cache_block, stride_cache_slot, stride_cache_head, stride_scale_block,
+            stride_scale_slot, PAGE_SIZE, DOT_PRECISION, True, QUANTIZED,
         )  # fmt: skip
 
     out = acc / row_sum[:, None]
@@ -149,6 +165,8 @@ def extend_attention(
     block_n: int = 64,
     num_warps: int = 4,
     num_stages: int = 2,
+    k_scale: torch.Tensor | None = None,  # (num_blocks, block_size, kv_heads): int8/e4m3 only
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal paged attention of each sequence's new tokens over its whole context.
 
@@ -158,6 +176,7 @@ def extend_attention(
     num_kv_heads, page_size = k_cache.shape[2], k_cache.shape[1]
     assert num_heads % num_kv_heads == 0 and q.stride(2) == 1
     assert k_cache.is_contiguous() and v_cache.is_contiguous()
+    scales = check_scales(k_cache, k_scale, v_scale)
     group = num_heads // num_kv_heads
     if out is None:
         out = torch.empty_like(q)
@@ -171,6 +190,7 @@ def extend_attention(
         q,
         k_cache,
         v_cache,
+        *scales,
         out,
         query_start_loc,
         seq_lens,
@@ -184,6 +204,8 @@ def extend_attention(
         k_cache.stride(0),
         k_cache.stride(1),
         k_cache.stride(2),
+        scales[0].stride(0),
+        scales[0].stride(1),
         GROUP=group,
         BLOCK_M=block_m,
         BLOCK_Q=block_q,
@@ -192,6 +214,7 @@ def extend_attention(
         PAGE_SIZE=page_size,
         BLOCK_N=block_n,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        QUANTIZED=k_scale is not None,
         num_warps=num_warps,
         num_stages=num_stages,
     )

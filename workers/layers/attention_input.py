@@ -12,7 +12,9 @@ one program per token reads the token's row of the qkv output once::
     v heads   ------------------- -> v_cache[slot]       (nothing stored for a slot below 0)
 
 It rounds where the plain layers round (the norm's output, rotary's output, the cache's
-dtype), so the two agree as far as summation order allows.
+dtype), so the two agree as far as summation order allows. Into a quantized cache (int8,
+e4m3) each k and v head is quantized with its own scale as store_kv would (the absmax of the
+head's two rotated halves), the scales beside the cache (workers/attention/kv_quant.py).
 
 With ``row_scale`` the qkv projection was given the layer's input unnormalized, its weight
 holding the input RMSNorm's weight (LlamaModel.fold_norm_weights): the program first takes
@@ -24,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from workers.attention.triton_quant import check_scales, on_grid, quant_constants, row_scales
 from workers.layers.fused_kernels import inverse_rms_of_row
 
 
@@ -77,6 +80,34 @@ def _normed_rotated_heads(
 
 
 @triton.jit
+def _store_k_heads(k1, k2, k_cache, k_scale_ptr, scale_index, kv_mask, head_mask,
+                   HALF: tl.constexpr, QUANTIZED: tl.constexpr, MAX_ABS: tl.constexpr,
+                   IS_INT: tl.constexpr):
+    """The rotated halves (BLOCK_KV, BLOCK_HALF) of the k heads into the cache at k_cache;
+    quantized, one scale a head over both halves (padding lanes are zeros)."""
+    if QUANTIZED:
+        k1, k2 = k1.to(tl.float32), k2.to(tl.float32)
+        absmax = tl.maximum(tl.max(tl.abs(k1), axis=1), tl.max(tl.abs(k2), axis=1))
+        scale = row_scales(absmax, MAX_ABS)
+        k1, k2 = on_grid(k1, scale, MAX_ABS, IS_INT), on_grid(k2, scale, MAX_ABS, IS_INT)
+        tl.store(k_scale_ptr + scale_index, scale, mask=head_mask)
+    tl.store(k_cache, k1.to(k_cache.dtype.element_ty), mask=kv_mask)
+    tl.store(k_cache + HALF, k2.to(k_cache.dtype.element_ty), mask=kv_mask)
+
+
+@triton.jit
+def _store_v_heads(v, v_cache, v_scale_ptr, scale_index, v_mask, head_mask,
+                   QUANTIZED: tl.constexpr, MAX_ABS: tl.constexpr, IS_INT: tl.constexpr):
+    """The v heads (BLOCK_KV, BLOCK_D), zeros past HEAD_DIM, into the cache at v_cache."""
+    if QUANTIZED:
+        v = v.to(tl.float32)
+        scale = row_scales(tl.max(tl.abs(v), axis=1), MAX_ABS)
+        v = on_grid(v, scale, MAX_ABS, IS_INT)
+        tl.store(v_scale_ptr + scale_index, scale, mask=head_mask)
+    tl.store(v_cache, v.to(v_cache.dtype.element_ty), mask=v_mask)
+
+
+@triton.jit
 def _attention_input_kernel(
     qkv_ptr,  # (T, (heads + 2 * kv_heads) * HEAD_DIM), row stride stride_t: q, k, v heads
     q_norm_ptr,  # (HEAD_DIM,) when QK_NORM
@@ -86,6 +117,8 @@ def _attention_input_kernel(
     q_out_ptr,  # (T, heads, HEAD_DIM), contiguous
     k_cache_ptr,  # (num_blocks, block_size, kv_heads, HEAD_DIM), contiguous
     v_cache_ptr,
+    k_scale_ptr,  # (num_blocks, block_size, kv_heads) float16, contiguous, when QUANTIZED
+    v_scale_ptr,
     slot_ptr,  # (T,) int64, below 0 for a padding token
     scale_rows_ptr,  # (T, scale_size), row stride stride_s, when ROW_SCALE
     stride_t,
@@ -105,6 +138,9 @@ def _attention_input_kernel(
     BLOCK_KV: tl.constexpr,  # kv_heads padded to a power of two
     BLOCK_D: tl.constexpr,  # HEAD_DIM padded to a power of two
     BLOCK_HALF: tl.constexpr,  # HEAD_DIM / 2 padded to a power of two
+    QUANTIZED: tl.constexpr,  # int8 or e4m3 cache elements, scales beside them
+    MAX_ABS: tl.constexpr,
+    IS_INT: tl.constexpr,
 ):
     HALF: tl.constexpr = HEAD_DIM // 2
     token = tl.program_id(0).to(tl.int64)
@@ -135,15 +171,18 @@ def _attention_input_kernel(
         # int64: a large cache holds more than 2**31 elements
         cache_row = (slot * num_kv_heads + kv_heads) * HEAD_DIM
         kv_mask = (kv_heads < num_kv_heads) & (offs < HALF)
-        k_cache = k_cache_ptr + cache_row + offs
-        tl.store(k_cache, k1.to(k_cache_ptr.dtype.element_ty), mask=kv_mask)
-        tl.store(k_cache + HALF, k2.to(k_cache_ptr.dtype.element_ty), mask=kv_mask)
+        heads_1d = tl.arange(0, BLOCK_KV)
+        scale_index = slot * num_kv_heads + heads_1d
+        head_mask = heads_1d < num_kv_heads
+        _store_k_heads(k1, k2, k_cache_ptr + cache_row + offs, k_scale_ptr, scale_index, kv_mask,
+                       head_mask, HALF, QUANTIZED, MAX_ABS, IS_INT)
         offs_d = tl.arange(0, BLOCK_D)[None, :]
         v_mask = (kv_heads < num_kv_heads) & (offs_d < HEAD_DIM)
-        v = tl.load(k_row + (num_kv_heads + kv_heads) * HEAD_DIM + offs_d, mask=v_mask)
+        v = tl.load(k_row + (num_kv_heads + kv_heads) * HEAD_DIM + offs_d, mask=v_mask,
+                    other=0.0)
         v = _scaled(v, row_scale, ROW_SCALE)
-        tl.store(v_cache_ptr + cache_row + offs_d, v.to(v_cache_ptr.dtype.element_ty),
-                 mask=v_mask)
+        _store_v_heads(v, v_cache_ptr + cache_row + offs_d, v_scale_ptr, scale_index, v_mask,
+                       head_mask, QUANTIZED, MAX_ABS, IS_INT)
 
 
 def attention_input(
@@ -158,10 +197,13 @@ def attention_input(
     k_norm: torch.Tensor | None = None,
     eps: float = 0.0,
     row_scale: tuple[torch.Tensor, float] | None = None,  # (rows (T, hidden), eps)
+    k_scale: torch.Tensor | None = None,  # (num_blocks, block_size, kv_heads): int8/e4m3 only
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q (T, heads, head_dim) for the attention kernel, after the optional per-head norms and
     rotary; k (normed and turned the same way) and v are written into the cache at each token's
-    slot. The unfused equivalent: rms_norm of the q and k heads, rotary, store_kv.
+    slot. The unfused equivalent: rms_norm of the q and k heads, rotary, store_kv. A cache of
+    int8 or e4m3 elements takes k and v quantized, their scales into k_scale and v_scale.
 
     row_scale (rows, eps): each qkv row is first multiplied by 1 / RMS of the token's row of
     rows, for a qkv projection that took the layer's input before its RMSNorm."""
@@ -174,6 +216,7 @@ def attention_input(
         raise ValueError("q and k are normed together or not at all")
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("the KV cache must be contiguous")
+    scales = check_scales(k_cache, k_scale, v_scale)
     if head_dim % 2 or cos.shape != (num_tokens, head_dim) or sin.shape != cos.shape:
         raise ValueError(f"cos and sin must be ({num_tokens}, {head_dim}), head_dim even")
     scale_rows, scale_eps = row_scale if row_scale is not None else (qkv, 0.0)
@@ -193,6 +236,7 @@ def attention_input(
         q,
         k_cache,
         v_cache,
+        *scales,
         slot_mapping,
         scale_rows,
         qkv.stride(0),
@@ -212,5 +256,6 @@ def attention_input(
         BLOCK_KV=triton.next_power_of_2(num_kv_heads),
         BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_HALF=triton.next_power_of_2(head_dim // 2),
+        **quant_constants(k_cache),
     )
     return q

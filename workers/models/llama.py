@@ -25,6 +25,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from transformers import PretrainedConfig
 
+from workers.attention.layer_cache import LayerKVCache
 from workers.attention.metadata import AttentionMetadata
 from workers.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from workers.layers.linear import (
@@ -111,31 +112,33 @@ class LlamaAttention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, eps) if flavor.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, eps) if flavor.qk_norm else None
 
-    def forward(self, hidden, cos, sin, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
-        return self.attend(self.qkv_proj(hidden), cos, sin, k_cache, v_cache, meta)
+    def forward(self, hidden, cos, sin, cache, meta: AttentionMetadata) -> torch.Tensor:
+        return self.attend(self.qkv_proj(hidden), cos, sin, cache, meta)
 
     def forward_one_token(
-        self, hidden, residual, norm, cos, sin, k_cache, v_cache, meta: AttentionMetadata
+        self, hidden, residual, norm, cos, sin, cache, meta: AttentionMetadata
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """For one row, fused: (o_proj's output, the new residual). In models without per-head
-        q/k norms (all but Qwen3) the input norm, qkv, rotary and the K/V store are one kernel."""
-        if self.q_norm is not None:
+        q/k norms (all but Qwen3) the input norm, qkv, rotary and the K/V store are one kernel;
+        not into a quantized cache, whose scale needs a whole head in one program (that
+        kernel splits heads across programs): there the attention-input kernel stores."""
+        if self.q_norm is not None or cache.quantized:
             qkv, residual = norm.project(hidden, residual, self.qkv_proj)
-            return self.attend(qkv, cos, sin, k_cache, v_cache, meta), residual
+            return self.attend(qkv, cos, sin, cache, meta), residual
         # imported here: models built without the fused kernels must not need Triton
         from workers.layers.gemv import qkv_rotary_store
 
         q, residual = qkv_rotary_store(
             hidden, self.qkv_proj.weight, self.qkv_proj.bias, residual, norm.weight, norm.eps,
-            cos, sin, k_cache, v_cache, meta.slot_mapping, self.qkv_proj.num_local_heads,
+            cos, sin, cache.k, cache.v, meta.slot_mapping, self.qkv_proj.num_local_heads,
         )  # fmt: skip
-        out = self.backend.attend(q, k_cache, v_cache, meta, scale=self.scale)
+        out = self.backend.attend(q, cache, meta, scale=self.scale)
         return self.o_proj(out.flatten(1)), residual
 
-    def attend(self, qkv, cos, sin, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+    def attend(self, qkv, cos, sin, cache, meta: AttentionMetadata) -> torch.Tensor:
         """qkv: (T, (local_heads + 2 * local_kv_heads) * head_dim) → o_proj's output."""
         if self.fused:
-            return self.o_proj(self.attention_output(qkv, cos, sin, k_cache, v_cache, meta))
+            return self.o_proj(self.attention_output(qkv, cos, sin, cache, meta))
         sizes = [self.qkv_proj.q_size, self.qkv_proj.kv_size, self.qkv_proj.kv_size]
         q, k, v = qkv.split(sizes, dim=-1)
         q = q.view(-1, self.qkv_proj.num_local_heads, self.head_dim)  # (T, heads, head_dim)
@@ -144,11 +147,11 @@ class LlamaAttention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = self.backend.forward(q, k, v, k_cache, v_cache, meta, scale=self.scale)
+        out = self.backend.forward(q, k, v, cache, meta, scale=self.scale)
         return self.o_proj(out.flatten(1))  # (T, heads, head_dim) → (T, hidden)
 
     def attention_output(
-        self, qkv, cos, sin, k_cache, v_cache, meta: AttentionMetadata, row_scale=None
+        self, qkv, cos, sin, cache, meta: AttentionMetadata, row_scale=None
     ) -> torch.Tensor:
         """Fused: qkv → the attention's output (T, local_heads * head_dim), before o_proj.
         row_scale (rows, eps): qkv came from unnormalized rows (see attention_input)."""
@@ -156,10 +159,11 @@ class LlamaAttention(nn.Module):
         from workers.layers.attention_input import attention_input
 
         norms = (self.q_norm.weight, self.k_norm.weight) if self.q_norm else (None, None)
-        q = attention_input(qkv, self.qkv_proj.num_local_heads, cos, sin, k_cache, v_cache,
+        q = attention_input(qkv, self.qkv_proj.num_local_heads, cos, sin, cache.k, cache.v,
                             meta.slot_mapping, *norms, eps=self.q_norm.eps if self.q_norm else 0.0,
-                            row_scale=row_scale)  # fmt: skip
-        return self.backend.attend(q, k_cache, v_cache, meta, scale=self.scale).flatten(1)
+                            row_scale=row_scale, k_scale=cache.k_scale,
+                            v_scale=cache.v_scale)  # fmt: skip
+        return self.backend.attend(q, cache, meta, scale=self.scale).flatten(1)
 
 
 class LlamaMLP(nn.Module):
@@ -201,12 +205,12 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = make_norm(size, eps, fused)
         self.mlp = LlamaMLP(config, tp, flavor, fused)
 
-    def forward(self, hidden, cos, sin, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
-        attn_out = self.self_attn(self.input_layernorm(hidden), cos, sin, k_cache, v_cache, meta)
+    def forward(self, hidden, cos, sin, cache, meta: AttentionMetadata) -> torch.Tensor:
+        attn_out = self.self_attn(self.input_layernorm(hidden), cos, sin, cache, meta)
         hidden = hidden + attn_out
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
-    def forward_fused(self, hidden, cos, sin, k_cache, v_cache, meta: AttentionMetadata):
+    def forward_fused(self, hidden, cos, sin, cache, meta: AttentionMetadata):
         """Fused, norm weights folded, several rows: the residual stream hidden (T, hidden)
         through the layer, updated in place and returned. No norm kernel runs: qkv and gate_up
         project the stream itself (their weights hold the norms'), the attention input and
@@ -217,18 +221,18 @@ class LlamaDecoderLayer(nn.Module):
 
         attn, mlp = self.self_attn, self.mlp
         qkv, row_scale = project_stream(self.input_layernorm, attn.qkv_proj, hidden)
-        out = attn.attention_output(qkv, cos, sin, k_cache, v_cache, meta, row_scale=row_scale)
+        out = attn.attention_output(qkv, cos, sin, cache, meta, row_scale=row_scale)
         hidden = attn.o_proj.add_into(hidden, out)
         gate_up, row_scale = project_stream(self.post_attention_layernorm, mlp.gate_up_proj, hidden)
         return mlp.down_proj.add_into(hidden, silu_and_mul(gate_up, row_scale=row_scale))
 
-    def forward_one_token(self, hidden, residual, cos, sin, k_cache, v_cache, meta):
+    def forward_one_token(self, hidden, residual, cos, sin, cache, meta):
         """Fused, for a decode step of one sequence: (hidden, residual) → (mlp output, residual
         before it), residual None at the first layer. Each norm runs inside the projection
         after it, SiLU * up inside gate_up, rotary and the K/V store inside qkv
         (workers/layers/gemv.py): 6 fewer launches, 4 with per-head q/k norms."""
         hidden, residual = self.self_attn.forward_one_token(
-            hidden, residual, self.input_layernorm, cos, sin, k_cache, v_cache, meta
+            hidden, residual, self.input_layernorm, cos, sin, cache, meta
         )
         mlp = self.mlp
         act, residual = self.post_attention_layernorm.project(
@@ -282,16 +286,16 @@ class LlamaModel(nn.Module):
             layers = zip(self.layers, kv_caches, strict=True)
             if hidden.shape[0] == 1:
                 residual = None
-                for layer, (k_cache, v_cache) in layers:
+                for layer, cache in layers:
                     hidden, residual = layer.forward_one_token(
-                        hidden, residual, cos, sin, k_cache, v_cache, meta
+                        hidden, residual, cos, sin, cache, meta
                     )
                 return self.norm(hidden, residual)[0]
-            for layer, (k_cache, v_cache) in layers:
-                hidden = layer.forward_fused(hidden, cos, sin, k_cache, v_cache, meta)
+            for layer, cache in layers:
+                hidden = layer.forward_fused(hidden, cos, sin, cache, meta)
             return self.norm(hidden)
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
-            hidden = layer(hidden, cos, sin, k_cache, v_cache, meta)
+        for layer, cache in zip(self.layers, kv_caches, strict=True):
+            hidden = layer(hidden, cos, sin, cache, meta)
         return self.norm(hidden)
 
 
@@ -322,7 +326,7 @@ class LlamaForCausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,  # (T,)
         positions: torch.Tensor,  # (T,)
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer (k_cache, v_cache)
+        kv_caches: list[LayerKVCache],  # per layer: K, V and a quantized cache's scales
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """Final normed hidden states, (T, hidden); pick the rows to sample, then compute_logits."""

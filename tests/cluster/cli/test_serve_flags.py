@@ -1,5 +1,5 @@
 """`tandem serve`'s flags, vLLM's names and meanings: each one reaches the engine's config;
-flags of features tandem does not have yet are refused, never ignored."""
+a bad value is refused with the flag's name, never ignored."""
 
 import json
 
@@ -32,7 +32,9 @@ def config_of(*flags):
     (["--no-enable-prefix-caching"], "enable_prefix_caching", False),
     (["--no-prefix-caching"], "enable_prefix_caching", False),
     (["--scheduler-delay-factor", "0.5"], "scheduler_delay_factor", 0.5),
-    (["--kv-cache-dtype", "auto"], "dtype", "auto"),
+    (["--kv-cache-dtype", "int8"], "kv_cache_dtype", "int8"),
+    (["--kv-cache-dtype", "fp8"], "kv_cache_dtype", "fp8"),
+    ([], "kv_cache_dtype", "auto"),
 ])
 def test_each_flag_reaches_the_engine_config(flags, field, value):
     assert getattr(config_of(*flags).engine_config(), field) == value
@@ -58,12 +60,11 @@ def test_the_brief_s_command_line_is_accepted():
         16, 512, 2048, True, 0.5)
 
 
-def test_flags_of_features_not_there_yet_are_refused_with_the_reason():
+def test_a_kv_cache_dtype_that_does_not_exist_is_refused_by_its_flag():
     with pytest.raises(ValueError) as error:
-        config_of("--kv-cache-dtype", "int8")
-    assert str(error.value) == (
-        "not supported:\n"
-        "  --kv-cache-dtype: quantized KV caches are not implemented yet (only 'auto')")
+        config_of("--kv-cache-dtype", "int4")
+    assert str(error.value) == ("invalid server configuration:\n"
+                                "  --kv-cache-dtype: Input should be 'auto', 'int8' or 'fp8'")
 
 
 def test_speculative_flags_reach_the_engine_config():

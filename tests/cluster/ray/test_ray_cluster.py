@@ -44,6 +44,24 @@ def test_tensor_parallel_2_over_ray_matches_transformers(ray_session, tiny_model
         llm.engine.shutdown()
 
 
+def test_tensor_parallel_2_shards_hold_int8_kv_and_give_tensor_parallel_1_s_tokens(
+        ray_session, tiny_models):
+    """kv_cache_dtype reaches each shard actor: every rank quantizes its own kv heads, each
+    head's scale its own, so the shards' blocks are TP 1's split by head."""
+    options = dict(device="cpu", block_size=4, num_kv_blocks=64)
+    folder = str(tiny_models["llama"])
+    want = [out.token_ids for out in LLM(folder, kv_cache_dtype="int8", **options).generate(
+        PROMPTS, GREEDY)]
+    # on this tiny model int8 KV changes greedy tokens: equal ones mean the shards quantize
+    assert want != [out.token_ids for out in LLM(folder, **options).generate(PROMPTS, GREEDY)]
+    llm = LLM(folder, tensor_parallel_size=2, distributed_executor_backend="ray",
+              kv_cache_dtype="int8", **options)
+    try:
+        assert [out.token_ids for out in llm.generate(PROMPTS, GREEDY)] == want
+    finally:
+        llm.engine.shutdown()
+
+
 async def stream(cluster, prompt, request_id, params=GREEDY):
     """Collects a streamed request: the final output and how many snapshots came."""
     count, last = 0, None

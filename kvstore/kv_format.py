@@ -1,0 +1,98 @@
+"""KV block formats: how a paged block stores its K and V, and the bytes it takes.
+
+``kv_cache_dtype`` names the format:
+
+- ``auto``: elements of the model's dtype, no scales (a block as it always was);
+- ``int8``: symmetric int8, one scale per token and kv head: x ~= q * scale with
+  scale = absmax / 127 over the head's head_dim values, q in [-127, 127];
+- ``fp8``: float8 e4m3 (torch.float8_e4m3fn) scaled the same way to its largest finite
+  magnitude, 448 (needs a GPU of compute capability 8.9 or newer, or the CPU's emulation).
+
+A quantized block is its elements plus its scales: both are indexed by the block id and written
+once, with the block's tokens, so anything that moves or shares blocks (the prefix cache,
+offload tiers, speculation's rollback, tensor parallelism) moves the scales with them and needs
+no other change.
+
+Why a float16 scale, not float32: at head_dim 64 (SmolLM2, Llama-3.2-1B) a float32 scale
+costs 4 bytes against 64 of int8 elements, and the block holds only 128 / 68 = 1.88x the
+bfloat16 blocks; with 2 bytes it holds 128 / 66 = 1.94x (1.97x at head_dim 128). Quantizing
+with the scale as stored (rounded to float16 first) keeps the error bound exact, and clamping
+the scale into float16's normal range keeps it finite and non-zero (see workers/kv_quant.py).
+
+Pure description: names and byte counts, no tensors. workers/ maps ``element_dtype`` and
+``scale_dtype`` (torch's names) to torch dtypes.
+"""
+
+from dataclasses import dataclass
+
+KV_CACHE_DTYPES = ("auto", "int8", "fp8")
+FP8_MIN_CUDA_CAPABILITY = (8, 9)  # Ada and Hopper convert float32 <-> e4m3 in hardware
+# the model dtypes an "auto" cache may take, and their bytes an element
+MODEL_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+SCALE_DTYPE, SCALE_BYTES = "float16", 2
+
+
+@dataclass(frozen=True)
+class KVFormat:
+    name: str  # as kv_cache_dtype names it: auto | int8 | fp8
+    element_dtype: str  # torch's name of K's and V's elements
+    element_bytes: int
+    max_abs: float | None = None  # the largest quantized magnitude; None: not quantized
+
+    @property
+    def quantized(self) -> bool:
+        return self.max_abs is not None
+
+    @property
+    def scale_bytes(self) -> int:
+        return SCALE_BYTES if self.quantized else 0
+
+    def bytes_per_token_head(self, head_dim: int) -> int:
+        """Bytes of one token's K (or V) in one kv head: its elements and its scale."""
+        return head_dim * self.element_bytes + self.scale_bytes
+
+    def bytes_per_block(self, num_layers: int, num_kv_heads: int, head_dim: int,
+                        block_size: int) -> int:
+        """K and V of block_size tokens in every layer, scales included."""
+        per_token = 2 * num_layers * num_kv_heads * self.bytes_per_token_head(head_dim)
+        return per_token * block_size
+
+
+INT8 = KVFormat("int8", "int8", 1, 127.0)
+FP8 = KVFormat("fp8", "float8_e4m3fn", 1, 448.0)
+QUANTIZED_FORMATS = (INT8, FP8)
+
+
+def check_kv_cache_dtype(name: str) -> None:
+    """ValueError naming the choices when ``name`` is no format."""
+    if name not in KV_CACHE_DTYPES:
+        raise ValueError(f"unknown kv_cache_dtype {name!r} (choose from "
+                         f"{', '.join(KV_CACHE_DTYPES)})")
+
+
+def kv_format(name: str, model_dtype: str) -> KVFormat:
+    """The format ``name`` stands for, for a model whose activations are ``model_dtype``."""
+    check_kv_cache_dtype(name)
+    if name == "int8":
+        return INT8
+    if name == "fp8":
+        return FP8
+    if model_dtype not in MODEL_DTYPE_BYTES:
+        raise ValueError(f"no KV format of model dtype {model_dtype!r} (choose from "
+                         f"{', '.join(MODEL_DTYPE_BYTES)})")
+    return KVFormat("auto", model_dtype, MODEL_DTYPE_BYTES[model_dtype])
+
+
+def check_device_supports(fmt: KVFormat, *, has_float8: bool,
+                          cuda_capability: tuple[int, int] | None) -> None:
+    """ValueError when the device cannot hold ``fmt``: fp8 needs torch's float8_e4m3fn and,
+    on CUDA (``cuda_capability`` not None), compute capability 8.9 or newer."""
+    if fmt.name != "fp8":
+        return
+    if not has_float8:
+        raise ValueError("kv_cache_dtype 'fp8' needs torch.float8_e4m3fn, which this torch "
+                         "lacks: use 'int8' or a newer torch")
+    if cuda_capability is not None and cuda_capability < FP8_MIN_CUDA_CAPABILITY:
+        major, minor = cuda_capability
+        raise ValueError(f"kv_cache_dtype 'fp8' (e4m3) needs a GPU of compute capability 8.9 "
+                         f"or newer; this one is {major}.{minor}: use 'int8'")
