@@ -171,6 +171,8 @@ class Worker:
                                      max_model_len, self.config.block_size, self.device),
                 self.tp, self.device,
             )
+        if self.graphs is not None and self.draft is not None:
+            self.draft.capture_graphs(self.config.max_num_seqs)
         # a worker's start-up ends here: in a process of its own (a Ray actor) nothing else
         # freezes its model and graphs (workers/gc_freeze.py)
         freeze_start_up_objects()
@@ -211,7 +213,7 @@ class Worker:
             hidden = self.graphs.run(rows) if rows is not None else None
             if hidden is not None:  # every rank replayed the same bucket: graphs run in lockstep
                 if self.draft is not None:
-                    self.draft.follow(decode_batch(rows, self.device))
+                    self.draft.follow_rows(rows)
                 return self._propose_after(self._sample_and_read(rows.request_ids, hidden))
         batch = build_input_batch(step.scheduled, self.states, self.config.block_size,
                                   self.device)
@@ -232,7 +234,7 @@ class Worker:
         when a bucket holds its rows."""
         hidden = self._forward_decode(verify.rows, None)
         if self.draft is not None:
-            self.draft.follow(decode_batch(verify.rows, self.device))
+            self.draft.follow_rows(verify.rows)
         output = self._verify_and_read(verify.request_ids, verify.drafts, hidden)
         return self._propose_after(output)
 
