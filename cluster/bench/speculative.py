@@ -17,8 +17,9 @@ difference moves later every round). In float32 the first round is already the f
 
 ``--draft-shape`` adds a random draft model of that shape in the target's worker: its cost is
 paid every step while the oracle still sets the acceptance (draft and target are unrelated
-random models); ``--draft-proposes`` takes the draft's own proposals instead (the target's
-shape and seed as the draft: the target as its own draft).
+random models); ``--proposer draft`` takes the draft's own proposals instead (the target's
+shape and seed as the draft: the target as its own draft), ``--proposer ngram`` prompt
+lookup's (with ``--prompts code`` on a real model: its acceptance on copy-heavy answers).
 """
 
 import argparse
@@ -26,6 +27,7 @@ import random
 import time
 from pathlib import Path
 
+from cluster.bench.code_prompts import code_prompts
 from cluster.bench.report import markdown_table
 from cluster.bench.workloads import latency_prompt
 from router.sampling_params import SamplingParams
@@ -75,11 +77,14 @@ def timed(llm, prompts: list[list[int]], output_len: int) -> tuple[list[list[int
 
 def counted(llm, prompts: list[list[int]], output_len: int) -> dict:  # type: ignore[no-untyped-def]
     """One timed run with the speculation counters it moved."""
-    before = llm.stats()
+    per_position = llm.engine.metrics.spec_decode_accepted_per_position  # grows in place
+    before, was = llm.stats(), list(per_position)
     tokens, seconds = timed(llm, prompts, output_len)
-    after = llm.stats()
+    after, now = llm.stats(), list(per_position)
     drafts = after.spec_decode_num_drafts - before.spec_decode_num_drafts
+    was += [0] * (len(now) - len(was))
     return {"tokens": tokens, "seconds": seconds, "drafts": drafts,
+            "kept_per_position": [b - a for a, b in zip(was, now, strict=True)],
             "draft_tokens": after.spec_decode_num_draft_tokens
             - before.spec_decode_num_draft_tokens,
             "kept": after.spec_decode_num_accepted_tokens - before.spec_decode_num_accepted_tokens}
@@ -106,7 +111,11 @@ def plain_runs(setup, batches: list[int], args) -> dict[int, tuple[list, list, f
     llm = setup.engine()
     runs = {}
     for batch in batches:
-        prompts = [latency_prompt(args.input_len, setup.vocab_size, seed=s) for s in range(batch)]
+        if args.prompts == "code":
+            prompts = code_prompts(Path(setup.folder), batch)
+        else:
+            prompts = [latency_prompt(args.input_len, setup.vocab_size, seed=s)
+                       for s in range(batch)]
         timed(llm, prompts, min(32, args.output_len))  # warm-up: graphs, compiles
         tokens, seconds = timed(llm, prompts, args.output_len)
         runs[batch] = (prompts, tokens, seconds)
@@ -144,12 +153,14 @@ def run_speculative(args: argparse.Namespace) -> int:
     from cluster.bench.report import publish
 
     has_draft = args.draft_shape is not None or args.draft_model is not None
-    if args.draft_proposes and not has_draft:
-        raise SystemExit("--draft-proposes needs --draft-shape or --draft-model")
+    if args.proposer == "draft" and not has_draft:
+        raise SystemExit("--proposer draft needs --draft-shape or --draft-model")
+    if args.proposer == "ngram" and has_draft:
+        raise SystemExit("--proposer ngram runs without a draft model")
     setup = Setup(args)
     plain = plain_runs(setup, args.batch_sizes, args)
     llm = speculative_engine(setup, args)
-    alphas = [None] if args.draft_proposes else args.alpha
+    alphas = [None] if args.proposer != "oracle" else args.alpha
     rows, results = [], []
     for batch in args.batch_sizes:
         prompts, plain_tokens, plain_s = plain[batch]
@@ -176,6 +187,7 @@ def run_speculative(args: argparse.Namespace) -> int:
                           "speedup": plain_s / run["seconds"], "tokens_per_verify": per_step,
                           "theory": theory(a, k), "verify_step_in_plain_steps": step_cost,
                           "theory_speedup": theory(a, k) / step_cost,
+                          "kept_per_position": run["kept_per_position"],
                           "rounds": run["rounds"], "fixed_point": run["fixed_point"],
                           "rows_equal_to_plain": sum(x == len(t) for x, t in
                                                      zip(left, run["tokens"], strict=True)),
@@ -214,11 +226,15 @@ def add_speculative_parser(workloads: argparse._SubParsersAction,
                         help="the share of right drafts the proposer makes")
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=256)
+    parser.add_argument("--prompts", choices=["random", "code"], default="random",
+                        help="random token ids (--input-len), or code to edit in the model's "
+                        "chat template (real models: cluster/bench/code_prompts.py)")
     parser.add_argument("--draft-shape", help="a random draft model of this shape in the "
                         "target's worker (its cost paid; the oracle still proposes)")
     parser.add_argument("--draft-model", help="a draft model folder instead of --draft-shape")
     parser.add_argument("--draft-seed", type=int,
                         help="the draft's weights (default: the target's when the shapes match)")
-    parser.add_argument("--draft-proposes", action="store_true",
-                        help="the draft model's own proposals instead of the oracle's")
+    parser.add_argument("--proposer", choices=["oracle", "draft", "ngram"], default="oracle",
+                        help="who proposes: the benchmark's oracle at each --alpha, the draft "
+                        "model, or prompt lookup (their own acceptance, measured)")
     parser.set_defaults(handler=run_speculative)

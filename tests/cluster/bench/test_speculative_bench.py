@@ -29,7 +29,7 @@ def test_w5_all_right_drafts_keep_every_one_and_the_same_tokens(tiny_models, tmp
 def test_w5_the_target_as_its_own_draft_model_is_right_almost_always(tiny_models, tmp_path):
     output = tmp_path / "w5-draft.json"
     assert main(["bench", "speculative", "--model", str(tiny_models["llama"]), "--device", "cpu",
-                 "--draft-model", str(tiny_models["llama"]), "--draft-proposes",
+                 "--draft-model", str(tiny_models["llama"]), "--proposer", "draft",
                  "--batch-sizes", "1", "--k", "2", "--input-len", "8", "--output-len", "13",
                  "--output", str(output)]) == 0
     (result,) = json.loads(output.read_text())["results"]
