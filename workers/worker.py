@@ -18,6 +18,7 @@ from workers.input_batch import (
     build_input_batch,
     build_verify_rows,
     decode_batch,
+    to_device,
 )
 from workers.kv_cache import KVCaches, allocate_kv_caches, kv_bytes_per_block
 from workers.layers.parallel import TensorParallelGroup
@@ -341,7 +342,7 @@ class Worker:
         read = None
         if plain:
             plain_ids = [request_ids[row] for row in plain]
-            index = torch.tensor([int(starts[row]) for row in plain], device=logits.device)
+            index = to_device(starts[plain], logits.device)  # pinned: no wait for the forward
             read = self._start_read(plain_ids, [self._sample(plain_ids, logits[index])])
         states = [self.states[request_ids[row]] for row in spec]
         pending = verify_rows(logits, [int(starts[row]) for row in spec],

@@ -4,8 +4,10 @@ the kept tokens out, with one read of them to the host."""
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
+from workers.input_batch import packed_to_device
 from workers.pending import copied_event, to_host
 from workers.request_state import RequestState
 from workers.sampler import greedy, target_probs
@@ -37,11 +39,16 @@ def verify_rows(logits: torch.Tensor, starts: Sequence[int], drafts: Sequence[li
     device = logits.device
     k = max(len(d) for d in drafts)
     batch, vocab = len(drafts), logits.shape[-1]
-    index = [[start + min(j, len(d)) for j in range(k + 1)]
-             for start, d in zip(starts, drafts, strict=True)]
-    rows = logits[torch.tensor(index, device=device).view(-1)]  # (B * (k+1), V)
-    draft_ids = torch.tensor([d + [0] * (k - len(d)) for d in drafts], device=device)
-    num_drafts = torch.tensor([len(d) for d in drafts], device=device)
+    index = [start + min(j, len(d)) for start, d in zip(starts, drafts, strict=True)
+             for j in range(k + 1)]
+    padded = [t for d in drafts for t in d + [0] * (k - len(d))]
+    # one pinned, non-blocking copy: a pageable one would wait here for the forward to end,
+    # and the verify kernels would only be launched after it
+    index_t, draft_ids, num_drafts = packed_to_device(
+        [np.array(index), np.array(padded), np.array([len(d) for d in drafts])], np.int64,
+        device)
+    rows = logits[index_t]  # (B * (k+1), V)
+    draft_ids = draft_ids.view(batch, k)
     if all(state.spec.is_greedy for state in states):
         tokens, counts = verify_greedy(greedy(rows).view(batch, k + 1), draft_ids, num_drafts)
     else:
