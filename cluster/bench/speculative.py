@@ -187,7 +187,8 @@ def run_speculative(args: argparse.Namespace) -> int:
                           "speedup": plain_s / run["seconds"], "tokens_per_verify": per_step,
                           "theory": theory(a, k), "verify_step_in_plain_steps": step_cost,
                           "theory_speedup": theory(a, k) / step_cost,
-                          "kept_per_position": run["kept_per_position"],
+                          "verify_steps": run["drafts"],
+                          "kept_per_position": run["kept_per_position"][:k],
                           "rounds": run["rounds"], "fixed_point": run["fixed_point"],
                           "rows_equal_to_plain": sum(x == len(t) for x, t in
                                                      zip(left, run["tokens"], strict=True)),
