@@ -87,6 +87,44 @@ def build_decode_rows(
     return DecodeRows(request_ids, np.array(tokens, dtype=np.int64), pos, slots, table)
 
 
+@dataclass
+class VerifyRows:
+    """A verify step as decode rows: every sequence decodes its last token, and one row more
+    for each of its drafts, at the positions after it. Row j of a sequence sees the context up
+    to its own token (the rows before it stored theirs in the same layer first), which is the
+    causal verify forward; as decode rows it runs the plain decode step's kernels and CUDA
+    graphs, so a draft is judged by the same arithmetic that would have produced the token."""
+
+    rows: DecodeRows  # one a token: each sequence's last token, then its drafts
+    request_ids: list[str]  # one a sequence, in the rows' order
+    drafts: list[list[int]]  # per sequence, [] for one without drafts
+
+
+def build_verify_rows(
+    scheduled: Sequence[ScheduledRequest], states: dict[str, RequestState], block_size: int
+) -> VerifyRows | None:
+    """The step as VerifyRows, or None when it has no drafts or is not pure decode."""
+    if not any(item.draft_token_ids for item in scheduled):
+        return None
+    request_ids, drafts, tokens, positions, block_ids = [], [], [], [], []
+    for item in scheduled:
+        state, draft = states[item.request_id], item.draft_token_ids
+        if (item.num_new_tokens != 1 + len(draft)
+                or item.num_computed_tokens + 1 != len(state.token_ids)):
+            return None
+        request_ids.append(item.request_id)
+        drafts.append(draft)
+        tokens += [state.token_ids[-1], *draft]
+        positions += range(item.num_computed_tokens, item.num_computed_tokens + 1 + len(draft))
+        block_ids += [state.block_ids] * (1 + len(draft))
+    table = block_table_array(block_ids)
+    pos = np.array(positions, dtype=np.int64)
+    slots = slots_of(table, np.arange(len(pos)), pos, block_size)
+    row_ids = [r for r, d in zip(request_ids, drafts, strict=True) for _ in range(1 + len(d))]
+    rows = DecodeRows(row_ids, np.array(tokens, dtype=np.int64), pos, slots, table)
+    return VerifyRows(rows, request_ids, drafts)
+
+
 def decode_batch(rows: DecodeRows, device: torch.device,
                  input_ids: torch.Tensor | None = None) -> InputBatch:
     """An eager InputBatch of a pure-decode step; ``input_ids`` (B,) on the device, when given,

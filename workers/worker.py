@@ -11,7 +11,15 @@ import torch
 
 from workers.attention.reference import ReferenceAttentionBackend
 from workers.gc_freeze import freeze_start_up_objects
-from workers.input_batch import DecodeRows, build_decode_rows, build_input_batch, decode_batch
+from workers.input_batch import (
+    DecodeRows,
+    VerifyRows,
+    build_decode_rows,
+    build_input_batch,
+    build_verify_rows,
+    decode_batch,
+    to_device,
+)
 from workers.kv_cache import KVCaches, allocate_kv_caches, kv_bytes_per_block, resolve_kv_format
 from workers.layers.parallel import TensorParallelGroup
 from workers.loader import load_model
@@ -93,14 +101,14 @@ class Worker:
         self.kv_caches: KVCaches = []
         self.graphs = None  # DecodeGraphs once captured (GPU, Triton; every rank or none)
         self.lookahead: Lookahead | None = None  # the next call's first step, already run
-        self.draft = None  # DraftModel: it must see every step, so no graphs beside it yet
+        self.draft = None  # DraftModel: it must see every step (so one step a call), eagerly
         if config.draft_model_path is not None:
             from workers.spec.draft_model import DraftModel
 
             self.draft = DraftModel(config.draft_model_path, self.dtype, self.device, backend,
                                     config.num_speculative_tokens, config.block_size)
         self.uses_graphs = (self.device.type == "cuda" and not config.enforce_eager
-                            and backend.name == "triton" and self.draft is None)
+                            and backend.name == "triton")
 
     def _use_device(self) -> None:
         """Makes this worker's GPU the calling thread's current device. Triton launches, graph
@@ -166,6 +174,8 @@ class Worker:
                                      max_model_len, self.config.block_size, self.device),
                 self.tp, self.device,
             )
+        if self.graphs is not None and self.draft is not None:
+            self.draft.capture_graphs(self.config.max_num_seqs)
         # a worker's start-up ends here: in a process of its own (a Ray actor) nothing else
         # freezes its model and graphs (workers/gc_freeze.py)
         freeze_start_up_objects()
@@ -198,11 +208,16 @@ class Worker:
                 raise ValueError("num_steps > 1 with a draft model: it must see every step")
             return self._execute_decode_steps(step.scheduled, step.num_steps, step.lookahead,
                                               lookahead)
+        verify = build_verify_rows(step.scheduled, self.states, self.config.block_size)
+        if verify is not None:
+            return self._execute_verify(verify)
         if self.graphs is not None:
             rows = build_decode_rows(step.scheduled, self.states, self.config.block_size)
             hidden = self.graphs.run(rows) if rows is not None else None
             if hidden is not None:  # every rank replayed the same bucket: graphs run in lockstep
-                return self._sample_and_read(rows.request_ids, hidden)
+                if self.draft is not None:
+                    self.draft.follow_rows(rows)
+                return self._propose_after(self._sample_and_read(rows.request_ids, hidden))
         batch = build_input_batch(step.scheduled, self.states, self.config.block_size,
                                   self.device)
         hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
@@ -215,6 +230,19 @@ class Worker:
                                            hidden[batch.sample_indices])
         else:
             output = self._sample_and_read(batch.sample_request_ids, hidden[batch.sample_indices])
+        return self._propose_after(output)
+
+    def _execute_verify(self, verify: VerifyRows) -> StepOutput | None:
+        """A step of decodes with drafts, as decode rows (workers/input_batch.py): graphed
+        when a bucket holds its rows."""
+        hidden = self._forward_decode(verify.rows, None)
+        if self.draft is not None:
+            self.draft.follow_rows(verify.rows)
+        output = self._verify_and_read(verify.request_ids, verify.drafts, hidden)
+        return self._propose_after(output)
+
+    def _propose_after(self, output: StepOutput | None) -> StepOutput | None:
+        """The draft model's proposals for the rows that sampled, when there is one."""
         if self.draft is not None and output is not None:
             states = [self.states[request_id] for request_id in output.request_ids]
             output.draft_token_ids = self.draft.propose(states, output.token_ids)
@@ -316,7 +344,7 @@ class Worker:
         read = None
         if plain:
             plain_ids = [request_ids[row] for row in plain]
-            index = torch.tensor([int(starts[row]) for row in plain], device=logits.device)
+            index = to_device(starts[plain], logits.device)  # pinned: no wait for the forward
             read = self._start_read(plain_ids, [self._sample(plain_ids, logits[index])])
         states = [self.states[request_ids[row]] for row in spec]
         pending = verify_rows(logits, [int(starts[row]) for row in spec],

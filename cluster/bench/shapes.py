@@ -27,6 +27,17 @@ SHAPES: dict[str, dict] = {
         num_key_value_heads=8, head_dim=128, vocab_size=128256, tie_word_embeddings=False,
         max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=500000.0,
         rope_scaling=dict(LLAMA3_ROPE, factor=8.0)),
+    # the speculative pair of the catalog (W5): one tokenizer, q/k/v with biases
+    "qwen2.5-coder-0.5b": dict(
+        architectures=["Qwen2ForCausalLM"], model_type="qwen2", hidden_size=896,
+        intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+        num_key_value_heads=2, head_dim=64, vocab_size=151936, tie_word_embeddings=True,
+        max_position_embeddings=32768, rms_norm_eps=1e-6, rope_theta=1000000.0),
+    "qwen2.5-coder-1.5b": dict(
+        architectures=["Qwen2ForCausalLM"], model_type="qwen2", hidden_size=1536,
+        intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+        num_key_value_heads=2, head_dim=128, vocab_size=151936, tie_word_embeddings=True,
+        max_position_embeddings=32768, rms_norm_eps=1e-6, rope_theta=1000000.0),
 }
 COMMON = dict(hidden_act="silu", attention_bias=False, mlp_bias=False, bos_token_id=0,
               eos_token_id=1, torch_dtype="bfloat16")
@@ -55,6 +66,10 @@ def parameter_shapes(config: dict) -> dict[str, tuple[int, ...]]:
             p + "input_layernorm.weight": (hidden,),
             p + "post_attention_layernorm.weight": (hidden,),
         }
+        if config["model_type"] == "qwen2":
+            shapes |= {p + "self_attn.q_proj.bias": (q_size,),
+                       p + "self_attn.k_proj.bias": (kv_size,),
+                       p + "self_attn.v_proj.bias": (kv_size,)}
         if config["model_type"] == "qwen3":
             shapes |= {p + "self_attn.q_norm.weight": (head_dim,),
                        p + "self_attn.k_norm.weight": (head_dim,)}
@@ -73,7 +88,8 @@ def num_parameters(config: dict) -> int:
 
 def build_random_model(shape: str, root: Path, config_overrides: dict | None = None,
                        seed: int = 0) -> Path:
-    """The folder of `shape` with random bf16 weights (std 0.02, norms 1), built once."""
+    """The folder of `shape` with random bf16 weights (std 0.02, norms 1, biases 0), built
+    once; another ``seed`` is another model of the same shape (its own folder)."""
     import torch
     from safetensors.torch import save_file
 
@@ -82,7 +98,7 @@ def build_random_model(shape: str, root: Path, config_overrides: dict | None = N
     config = {**SHAPES[shape], **COMMON, **(config_overrides or {})}
     suffix = "" if not config_overrides else "-" + "-".join(
         f"{k}{v}" for k, v in sorted(config_overrides.items()))
-    folder = Path(root) / f"{shape}{suffix}-random"
+    folder = Path(root) / f"{shape}{suffix}-random{'' if seed == 0 else f'-seed{seed}'}"
     if (folder / "model.safetensors").is_file():
         return folder
     folder.mkdir(parents=True, exist_ok=True)
@@ -90,7 +106,9 @@ def build_random_model(shape: str, root: Path, config_overrides: dict | None = N
     gen = torch.Generator(device=device).manual_seed(seed)
     tensors = {}
     for name, size in parameter_shapes(config).items():
-        if len(size) == 1:  # norm weights
+        if name.endswith(".bias"):
+            tensors[name] = torch.zeros(size, dtype=torch.bfloat16)
+        elif len(size) == 1:  # norm weights
             tensors[name] = torch.ones(size, dtype=torch.bfloat16)
         else:
             weight = torch.randn(size, generator=gen, device=device, dtype=torch.bfloat16)

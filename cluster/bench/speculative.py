@@ -2,33 +2,65 @@
 
 Acceptance does not depend on the hardware, and speed does not depend on the weights: on
 random weights the benchmark's own proposer sets the acceptance. ``Oracle`` proposes the
-tokens the target will emit (known from a plain run first), each replaced by a wrong one with
-probability 1 - alpha, so a draft position j is kept with probability alpha^j. Each row stands
-beside its theory: (1 - alpha^(k+1)) / (1 - alpha) tokens per verify step.
+tokens the target will emit, each replaced by a wrong one with probability 1 - alpha, so a
+draft position j is kept with probability alpha^j. Each row stands beside its theory:
+(1 - alpha^(k+1)) / (1 - alpha) tokens per verify step, and that over the measured cost of a
+verify step in plain steps.
+
+"The tokens the target will emit" are found by running to a fixed point. In bfloat16 a verify
+step's arithmetic is not the plain step's (other matrix shapes sum in another order), and a
+random-weight model's top two logits are close, so a run with speculation leaves the plain
+run's tokens after ~10 of them, and an oracle of the plain run's tokens would then be wrong
+for the rest of the row. So each configuration runs again with the last run's own tokens as
+the answers, until a run emits exactly what its oracle knew (a few rounds; the earliest
+difference moves later every round). In float32 the first round is already the fixed point.
+
+``--draft-shape`` adds a random draft model of that shape in the target's worker: its cost is
+paid every step while the oracle still sets the acceptance (draft and target are unrelated
+random models); ``--proposer draft`` takes the draft's own proposals instead (the target's
+shape and seed as the draft: the target as its own draft), ``--proposer ngram`` prompt
+lookup's (with ``--prompts code`` on a real model: its acceptance on copy-heavy answers).
 """
 
 import argparse
 import random
 import time
+from pathlib import Path
 
+from cluster.bench.code_prompts import code_prompts
 from cluster.bench.report import markdown_table
 from cluster.bench.workloads import latency_prompt
 from router.sampling_params import SamplingParams
 
+MAX_ROUNDS = 48  # fixed-point runs per configuration
+
 
 class Oracle:
-    """The benchmark's proposer: the known answer, corrupted at rate 1 - alpha (seeded)."""
+    """The benchmark's proposer: the known answer, corrupted at rate 1 - alpha. Whether the
+    proposal for a row's position is right is a function of (seed, row, position) alone, so
+    a run repeated with the same answers proposes the same drafts."""
 
     def __init__(self, answers: dict[tuple[int, ...], list[int]], alpha: float, vocab: int,
                  seed: int = 0) -> None:
-        self.answers, self.alpha, self.vocab = answers, alpha, vocab
-        self.rng = random.Random(seed)
+        self.answers, self.alpha, self.vocab, self.seed = answers, alpha, vocab, seed
+        self.rows = {prompt: row for row, prompt in enumerate(answers)}
+
+    def right(self, row: int, position: int) -> bool:
+        return self.alpha >= 1 or random.Random(f"{self.seed}:{row}:{position}").random() < \
+            self.alpha
 
     def propose(self, seq, num_drafts: int) -> list[int]:  # type: ignore[no-untyped-def]
-        answer = self.answers.get(tuple(seq.prompt_token_ids), [])
+        prompt = tuple(seq.prompt_token_ids)
+        answer, row = self.answers.get(prompt, []), self.rows.get(prompt, -1)
         start = seq.num_output_tokens
-        return [t if self.rng.random() < self.alpha else (t + 1) % self.vocab
-                for t in answer[start : start + num_drafts]]
+        return [t if self.right(row, start + j) else (t + 1) % self.vocab
+                for j, t in enumerate(answer[start : start + num_drafts])]
+
+
+def first_difference(tokens: list[int], plain: list[int]) -> int:
+    """The first position where a row left the plain run's tokens (its length if none)."""
+    return next((i for i, (a, b) in enumerate(zip(tokens, plain, strict=True)) if a != b),
+                len(tokens))
 
 
 def theory(alpha: float, k: int) -> float:
@@ -43,44 +75,137 @@ def timed(llm, prompts: list[list[int]], output_len: int) -> tuple[list[list[int
     return [out.token_ids for out in outputs], time.perf_counter() - start
 
 
+def counted(llm, prompts: list[list[int]], output_len: int) -> dict:  # type: ignore[no-untyped-def]
+    """One timed run with the speculation counters it moved."""
+    per_position = llm.engine.metrics.spec_decode_accepted_per_position  # grows in place
+    before, was = llm.stats(), list(per_position)
+    tokens, seconds = timed(llm, prompts, output_len)
+    after, now = llm.stats(), list(per_position)
+    drafts = after.spec_decode_num_drafts - before.spec_decode_num_drafts
+    was += [0] * (len(now) - len(was))
+    return {"tokens": tokens, "seconds": seconds, "drafts": drafts,
+            "kept_per_position": [b - a for a, b in zip(was, now, strict=True)],
+            "draft_tokens": after.spec_decode_num_draft_tokens
+            - before.spec_decode_num_draft_tokens,
+            "kept": after.spec_decode_num_accepted_tokens - before.spec_decode_num_accepted_tokens}
+
+
+def oracle_run(llm, prompts, plain_tokens, alpha: float, vocab: int,  # type: ignore[no-untyped-def]
+               output_len: int) -> dict:
+    """Runs until the oracle's answers are the run's own tokens (or MAX_ROUNDS)."""
+    speculator = llm.engine.speculator
+    answers = {tuple(p): t for p, t in zip(prompts, plain_tokens, strict=True)}
+    for rounds in range(1, MAX_ROUNDS + 1):
+        speculator.proposer = Oracle(answers, alpha, vocab)
+        run = counted(llm, prompts, output_len)
+        if run["tokens"] == list(answers.values()):
+            return run | {"rounds": rounds, "fixed_point": True}
+        answers = {tuple(p): t for p, t in zip(prompts, run["tokens"], strict=True)}
+    return run | {"rounds": MAX_ROUNDS, "fixed_point": False}
+
+
+def plain_runs(setup, batches: list[int], args) -> dict[int, tuple[list, list, float]]:  # type: ignore[no-untyped-def]
+    """Per batch size: prompts, tokens and seconds of the target alone (no speculation)."""
+    from cluster.bench.engine_runs import release
+
+    llm = setup.engine()
+    runs = {}
+    for batch in batches:
+        if args.prompts == "code":
+            prompts = code_prompts(Path(setup.folder), batch)
+        else:
+            prompts = [latency_prompt(args.input_len, setup.vocab_size, seed=s)
+                       for s in range(batch)]
+        timed(llm, prompts, min(32, args.output_len))  # warm-up: graphs, compiles
+        tokens, seconds = timed(llm, prompts, args.output_len)
+        runs[batch] = (prompts, tokens, seconds)
+    release(llm)
+    return runs
+
+
+def speculative_engine(setup, args):  # type: ignore[no-untyped-def]
+    config: dict = {"num_speculative_tokens": max(args.k), "adaptive": False}
+    if args.draft_model is not None:
+        config["model"] = args.draft_model
+    elif args.draft_shape is None:
+        config["method"] = "ngram"  # replaced by the oracle: only its slot in the engine counts
+    else:
+        from cluster.bench.shapes import build_random_model
+
+        seed = args.draft_seed if args.draft_seed is not None else (
+            0 if args.draft_shape == args.shape else 1)
+        config["model"] = str(build_random_model(args.draft_shape, Path(setup.folder).parent,
+                                                 seed=seed))
+    return setup.engine(speculative_config=config)
+
+
+def set_draft_length(llm, k: int) -> None:  # type: ignore[no-untyped-def]
+    """k drafts a step, for the scheduler and for an in-process draft model (whose k steps
+    are the cost a verify step pays)."""
+    llm.engine.speculator.lengths.max_drafts = k
+    draft = getattr(getattr(llm.engine.executor, "worker", None), "draft", None)
+    if draft is not None:
+        draft.num_drafts = k
+
+
 def run_speculative(args: argparse.Namespace) -> int:
     from cluster.bench.commands import Setup
     from cluster.bench.report import publish
 
+    has_draft = args.draft_shape is not None or args.draft_model is not None
+    if args.proposer == "draft" and not has_draft:
+        raise SystemExit("--proposer draft needs --draft-shape or --draft-model")
+    if args.proposer == "ngram" and has_draft:
+        raise SystemExit("--proposer ngram runs without a draft model")
     setup = Setup(args)
-    llm = setup.engine(speculative_config={"method": "ngram", "adaptive": False,
-                                           "num_speculative_tokens": max(args.k)})
-    speculator = llm.engine.speculator
+    plain = plain_runs(setup, args.batch_sizes, args)
+    llm = speculative_engine(setup, args)
+    alphas = [None] if args.proposer != "oracle" else args.alpha
     rows, results = [], []
     for batch in args.batch_sizes:
-        prompts = [latency_prompt(args.input_len, setup.vocab_size, seed=s) for s in range(batch)]
-        speculator.proposer = Oracle({}, 0.0, setup.vocab_size)  # proposes nothing: plain
-        timed(llm, prompts, min(32, args.output_len))  # warm-up: graphs, compiles
-        plain_tokens, plain_s = timed(llm, prompts, args.output_len)
-        answers = {tuple(p): t for p, t in zip(prompts, plain_tokens, strict=True)}
-        for alpha in args.alpha:
+        prompts, plain_tokens, plain_s = plain[batch]
+        timed(llm, prompts, min(32, args.output_len))  # warm-up of this engine
+        plain_step = plain_s / args.output_len
+        for alpha in alphas:
             for k in args.k:
-                speculator.lengths.max_drafts = k
-                speculator.proposer = Oracle(answers, alpha, setup.vocab_size)
-                before = llm.stats()
-                tokens, seconds = timed(llm, prompts, args.output_len)
-                after = llm.stats()
-                drafts = after.spec_decode_num_drafts - before.spec_decode_num_drafts
-                kept = (after.spec_decode_num_accepted_tokens
-                        - before.spec_decode_num_accepted_tokens)
-                per_step = (drafts + kept) / max(drafts, 1)
-                same = sum(a == b for a, b in zip(tokens, plain_tokens, strict=True))
-                result = {"batch": batch, "alpha": alpha, "k": k, "seconds": seconds,
-                          "plain_seconds": plain_s, "speedup": plain_s / seconds,
-                          "tokens_per_verify": per_step, "theory": theory(alpha, k),
-                          "rows_equal_to_plain": same}
+                set_draft_length(llm, k)
+                if alpha is None:
+                    run = counted(llm, prompts, args.output_len) | {"rounds": 1,
+                                                                    "fixed_point": True}
+                else:
+                    run = oracle_run(llm, prompts, plain_tokens, alpha, setup.vocab_size,
+                                     args.output_len)
+                drafts = max(run["drafts"], 1)
+                measured_alpha = run["kept"] / max(run["draft_tokens"], 1)
+                a = alpha if alpha is not None else measured_alpha
+                per_step = (run["drafts"] + run["kept"]) / drafts
+                step_cost = run["seconds"] / (drafts / batch) / plain_step  # in plain steps
+                left = sorted(first_difference(t, p)
+                              for t, p in zip(run["tokens"], plain_tokens, strict=True))
+                result = {"batch": batch, "alpha": alpha, "measured_alpha": measured_alpha,
+                          "k": k, "seconds": run["seconds"], "plain_seconds": plain_s,
+                          "speedup": plain_s / run["seconds"], "tokens_per_verify": per_step,
+                          "theory": theory(a, k), "verify_step_in_plain_steps": step_cost,
+                          "theory_speedup": theory(a, k) / step_cost,
+                          "verify_steps": run["drafts"],
+                          "kept_per_position": run["kept_per_position"][:k],
+                          "rounds": run["rounds"], "fixed_point": run["fixed_point"],
+                          "rows_equal_to_plain": sum(x == len(t) for x, t in
+                                                     zip(left, run["tokens"], strict=True)),
+                          "first_difference": left}
                 results.append(result)
-                rows.append([batch, alpha, k, per_step, theory(alpha, k), plain_s / seconds,
-                             f"{same}/{batch}"])
-                print(f"  batch {batch} alpha {alpha} k {k}: {plain_s / seconds:.2f}x", flush=True)
-    table = markdown_table(["batch", "alpha", "k", "tokens / verify", "theory", "speedup",
-                            "same tokens as plain"], rows)
-    publish(setup.record | {"workload": "speculative", "results": results}, table, args.output)
+                rows.append([batch, alpha if alpha is not None else f"{measured_alpha:.2f}", k,
+                             per_step, theory(a, k), step_cost, plain_s / run["seconds"],
+                             theory(a, k) / step_cost, run["rounds"],
+                             f"{result['rows_equal_to_plain']}/{batch}"])
+                print(f"  batch {batch} alpha {alpha} k {k}: {plain_s / run['seconds']:.2f}x "
+                      f"({run['rounds']} rounds)", flush=True)
+    table = markdown_table(["batch", "alpha", "k", "tokens / verify", "theory",
+                            "verify step (plain steps)", "speedup", "theory speedup",
+                            "rounds", "rows as plain"], rows)
+    publish(setup.record | {"workload": "speculative",
+                            "draft": args.draft_model or args.draft_shape,
+                            "results": results}, table, args.output)
     return 0
 
 
@@ -102,4 +227,15 @@ def add_speculative_parser(workloads: argparse._SubParsersAction,
                         help="the share of right drafts the proposer makes")
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=256)
+    parser.add_argument("--prompts", choices=["random", "code"], default="random",
+                        help="random token ids (--input-len), or code to edit in the model's "
+                        "chat template (real models: cluster/bench/code_prompts.py)")
+    parser.add_argument("--draft-shape", help="a random draft model of this shape in the "
+                        "target's worker (its cost paid; the oracle still proposes)")
+    parser.add_argument("--draft-model", help="a draft model folder instead of --draft-shape")
+    parser.add_argument("--draft-seed", type=int,
+                        help="the draft's weights (default: the target's when the shapes match)")
+    parser.add_argument("--proposer", choices=["oracle", "draft", "ngram"], default="oracle",
+                        help="who proposes: the benchmark's oracle at each --alpha, the draft "
+                        "model, or prompt lookup (their own acceptance, measured)")
     parser.set_defaults(handler=run_speculative)

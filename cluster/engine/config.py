@@ -133,9 +133,11 @@ class EngineConfig:
                 raise ValueError(message)
         check_kv_cache_dtype(self.kv_cache_dtype)  # the device's own checks run in its worker
         speculation = self.speculation  # its own checks, with their messages
-        if speculation is not None and speculation.model and self.tensor_parallel_size > 1:
-            raise ValueError("a draft model with tensor_parallel_size > 1 is not built yet "
-                             "(prompt lookup works at any size)")
+        if (speculation is not None and speculation.model and self.tensor_parallel_size > 1
+                and speculation.placement == "worker"):
+            raise ValueError("a draft model inside the worker needs tensor_parallel_size=1: "
+                             "with more shards give it an actor of its own "
+                             "(\"placement\": \"actor\"), or use prompt lookup")
 
     @property
     def speculation(self) -> SpeculativeConfig | None:

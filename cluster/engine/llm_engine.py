@@ -33,7 +33,7 @@ from cluster.engine.outputs import (
     RequestOutput,
     part_ids,
 )
-from cluster.engine.speculation import Speculator
+from cluster.engine.speculation import DraftActorProposer, Speculator
 from cluster.engine.step_builder import StepBuilder
 from cluster.engine.tokenizer import (
     Message,
@@ -49,6 +49,7 @@ from router.sequence import FinishReason, Sequence
 from workers.catalog import resolve_model
 from workers.gc_freeze import freeze_start_up_objects, unfreeze
 from workers.loader import load_config
+from workers.spec.config import SpeculativeConfig
 from workers.worker import WorkerConfig
 
 log = logging.getLogger(__name__)
@@ -58,8 +59,9 @@ Prompt = str | list[int]
 
 def worker_config(config: EngineConfig, folder: Path) -> WorkerConfig:
     speculation = config.speculation
-    draft = None
-    if speculation is not None and speculation.model is not None:
+    draft = None  # a draft model in the worker; placement "actor" keeps it out
+    if speculation is not None and speculation.model is not None \
+            and speculation.placement == "worker":
         draft = str(resolve_model(speculation.model, config.cache_dir))
     return WorkerConfig(
         model_path=str(folder), device=config.resolved_device, dtype=config.dtype,
@@ -144,8 +146,28 @@ class LLMEngine:
         self.seq_to_request: dict[str, str] = {}
         self._ids = itertools.count()
         self.metrics = EngineMetrics()
-        self.speculator = None if speculation is None else Speculator(speculation, self.metrics)
+        self.speculator = None if speculation is None else Speculator(
+            speculation, self.metrics, self._draft_actor(speculation, num_blocks, replica_index))
         freeze_start_up_objects()  # full collections would walk all of the above each time
+
+    def _draft_actor(self, speculation: SpeculativeConfig, num_blocks: int,
+                     replica_index: int | None) -> DraftActorProposer | None:
+        """The cluster's draft actor with a cache for this engine, for placement "actor"."""
+        if speculation.model is None or speculation.placement != "actor":
+            return None
+        from cluster.ray.draft_actor import draft_actor
+
+        config = self.config
+        actor = draft_actor(str(resolve_model(speculation.model, config.cache_dir)),
+                            config.dtype, config.resolved_device, config.block_size,
+                            speculation.num_speculative_tokens, config.attention_backend,
+                            speculation.draft_gpus)
+        # an engine of its own in the cluster: the replica's index, else a name of its own
+        replica = f"replica-{replica_index}" if replica_index is not None else f"engine-{id(self)}"
+        import ray
+
+        ray.get(actor.attach.remote(replica, num_blocks, self.max_model_len))
+        return DraftActorProposer(actor, replica)
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -247,7 +269,10 @@ class LLMEngine:
         if scheduled.is_empty and not scheduled.released_ids:
             return []
         started = time.perf_counter()
-        result = self.executor.execute(self.step_builder.build(scheduled))
+        step = self.step_builder.build(scheduled)
+        if self.speculator is not None:
+            self.speculator.before_step(step)
+        result = self.executor.execute(step)
         seconds = time.perf_counter() - started
         sampled = dict(zip(result.request_ids, result.token_ids, strict=True))
         self.metrics.batch_size = len(scheduled.scheduled)

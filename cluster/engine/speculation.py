@@ -16,7 +16,7 @@ from router.sequence import Sequence as Seq
 from router.speculation import DraftLength
 from workers.spec.config import SpeculativeConfig
 from workers.spec.ngram import ngram_drafts
-from workers.step_input import StepOutput
+from workers.step_input import StepInput, StepOutput
 
 
 def can_speculate(seq: Seq) -> bool:
@@ -56,13 +56,45 @@ class DraftModelProposer:
         return self.latest.get(seq.request_id, [])[:num_drafts]
 
 
+class DraftActorProposer(DraftModelProposer):
+    """The draft model in an actor of its own (cluster/ray/draft_actor.py): it is sent each
+    step as the workers are, and asked for drafts once the step's tokens are known."""
+
+    def __init__(self, actor, replica: str) -> None:  # type: ignore[no-untyped-def]
+        super().__init__()
+        self.actor, self.replica = actor, replica
+        self.following = None  # the step the actor is running, beside the target's
+
+    def before_step(self, step: StepInput) -> None:
+        self.following = self.actor.step.remote(self.replica, step)
+
+    def receive(self, result: StepOutput) -> None:
+        import ray
+
+        drafts = self.actor.propose.remote(self.replica, result.request_ids, result.token_ids)
+        if self.following is not None:
+            ray.get(self.following)  # raises what the actor's step raised
+            self.following = None
+        self.latest = dict(zip(result.request_ids, ray.get(drafts), strict=True))
+
+
 class Speculator:
-    def __init__(self, config: SpeculativeConfig, metrics: EngineMetrics) -> None:
+    def __init__(self, config: SpeculativeConfig, metrics: EngineMetrics,
+                 draft_model: DraftModelProposer | None = None) -> None:
+        """``draft_model``: where a draft model's proposals come from (by default, when the
+        config names a model, the target's worker)."""
         self.config = config
         self.metrics = metrics
         self.lengths = DraftLength(config.num_speculative_tokens, config.adaptive)
-        self.draft_model = DraftModelProposer() if config.model is not None else None
+        if draft_model is None and config.model is not None:
+            draft_model = DraftModelProposer()
+        self.draft_model = draft_model
         self.proposer: Proposer = self.draft_model or NgramProposer(config)
+
+    def before_step(self, step: StepInput) -> None:
+        """The step's message, as the workers get it (a draft actor follows the step)."""
+        if isinstance(self.draft_model, DraftActorProposer):
+            self.draft_model.before_step(step)
 
     def receive(self, result: StepOutput) -> None:
         """A step's result: the draft model's proposals in it, when there is one."""

@@ -15,7 +15,8 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4  # ngram: the longest
     model: str | None = None  # draft_model: a catalog name or a folder
     draft_tensor_parallel_size: int = 1
-    placement: str = "worker"  # worker | actor
+    placement: str = "worker"  # worker (the target's, rank 0's device) | actor (its own)
+    draft_gpus: float = 1.0  # placement actor: the share of a GPU the draft actor asks for
     adaptive: bool = True
 
     def __post_init__(self) -> None:
@@ -34,12 +35,12 @@ class SpeculativeConfig:
              f"placement must be 'worker' or 'actor', got {self.placement!r}"),
             (self.method != "draft_model" or self.model is not None,
              "method 'draft_model' needs a draft 'model'"),
+            (0 < self.draft_gpus <= 1,
+             f"draft_gpus must be in (0, 1] (a GPU or a share of one), got {self.draft_gpus}"),
             # said plainly rather than ignored
-            (self.placement == "worker",
-             "placement 'actor' (a draft actor of its own) is not built yet: use 'worker'"),
             (self.draft_tensor_parallel_size == 1,
-             "draft_tensor_parallel_size above 1 is not built yet (the draft runs on rank 0's "
-             f"device), got {self.draft_tensor_parallel_size}"),
+             "draft_tensor_parallel_size above 1 is not built yet (a draft runs on one device, "
+             f"in the worker or in its actor), got {self.draft_tensor_parallel_size}"),
         ]
         for ok, message in checks:
             if not ok:

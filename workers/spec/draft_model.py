@@ -30,11 +30,13 @@ class DraftModel:
         self.num_drafts, self.block_size = num_drafts, block_size
         self.kv_caches: KVCaches = []
         self.max_model_len = 0
+        self.graphs = None  # DecodeGraphs, when the target has graphs too
 
     def bytes_per_block(self) -> int:
         return kv_bytes_per_block(self.hf_config, 1, self.block_size, self.dtype)
 
     def allocate(self, num_blocks: int) -> None:
+        self.graphs = None  # graphs hold the old cache's addresses
         self.kv_caches = allocate_kv_caches(self.hf_config, 1, num_blocks, self.block_size,
                                             self.dtype, self.device)
 
@@ -42,9 +44,32 @@ class DraftModel:
         self.max_model_len = max_model_len
         self.model.build_rotary_table(max_model_len)
 
+    def capture_graphs(self, max_num_seqs: int) -> None:
+        """CUDA graphs of the draft's one-token steps, as the target has (a draft step eagerly
+        costs several graphed ones: its time is launches). One device, no collectives: the
+        draft needs no agreement with other ranks, and runs eagerly if capture fails."""
+        from workers.cuda_graphs import DecodeGraphs
+
+        graphs = DecodeGraphs(self.model, self.kv_caches, max_num_seqs, self.max_model_len,
+                              self.block_size, self.device)
+        graphs.warm_up()
+        self.graphs = graphs if graphs.capture() is None else None
+
     def follow(self, batch: InputBatch) -> None:
         """The step's tokens through the draft: its K/V, in the same slots as the target's."""
         self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
+
+    def follow_rows(self, rows: DecodeRows) -> None:
+        """``follow`` for a step of decode rows (a decode or a verify step): graphed."""
+        self._forward_rows(rows, None)
+
+    def _forward_rows(self, rows: DecodeRows, tokens: torch.Tensor | None) -> torch.Tensor:
+        if self.graphs is not None:
+            hidden = self.graphs.run(rows, tokens)
+            if hidden is not None:
+                return hidden
+        batch = decode_batch(rows, self.device, tokens)
+        return self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
 
     def propose(self, states: list[RequestState], emitted: list[list[int]]) -> list[list[int]]:
         """k drafts after each row's tokens (its state's, then ``emitted`` this step); none for
@@ -66,8 +91,7 @@ class DraftModel:
         proposed = []
         for index in range(self.num_drafts):
             step = first.advanced(index, self.block_size) if index else first
-            batch = decode_batch(step, self.device, tokens)
-            hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
+            hidden = self._forward_rows(step, tokens)
             tokens = greedy(self.model.compute_logits(hidden))
             proposed.append(tokens)
         for row, values in zip(rows, torch.stack(proposed, dim=1).tolist(), strict=True):

@@ -40,8 +40,10 @@ def verify(
     last = num_accepted.view(batch, 1, 1).expand(batch, 1, vocab)
     final_p = target_probs.gather(1, last).squeeze(1)  # (B, V) p at the first unaccepted slot
     rejected = num_accepted < num_drafts  # else all accepted: the bonus comes from p_k
+    # computed for every row (rows that kept all take final_p below): asking whether any row
+    # rejected would be a host sync in the middle of the step
     residual = final_p
-    if rejected.any():
+    if k > 0:
         rejected_at = num_accepted.clamp(max=max(k - 1, 0))
         if draft_probs is None:
             q = torch.zeros_like(final_p).scatter_(
@@ -59,6 +61,23 @@ def verify(
     tokens[:, :k] = torch.where(positions < num_accepted.unsqueeze(1), draft_ids, -1)
     tokens.scatter_(1, num_accepted.unsqueeze(1), final.unsqueeze(1))
     return tokens, num_accepted + 1
+
+
+def verify_greedy(
+    argmax: torch.Tensor,  # (B, k+1) int64: the target's argmax at each position
+    draft_ids: torch.Tensor,  # (B, k) int64, padded past each row's count
+    num_drafts: torch.Tensor,  # (B,) int64
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``verify`` for a batch of greedy rows, from the argmaxes alone: the drafts equal to
+    the argmax, then the argmax. The same tokens as ``verify`` with one-hot targets (its
+    accept test u < 1 holds for the argmax, fails elsewhere), without a (B, k+1, V) tensor."""
+    batch, k_plus_1 = argmax.shape
+    k = k_plus_1 - 1
+    positions = torch.arange(k, device=argmax.device)
+    accepted = (draft_ids == argmax[:, :k]) & (positions < num_drafts.unsqueeze(1))
+    num_accepted = accepted.int().cumprod(dim=1).sum(dim=1)  # (B,)
+    kept = torch.arange(k_plus_1, device=argmax.device) <= num_accepted.unsqueeze(1)
+    return torch.where(kept, argmax, -1), num_accepted + 1
 
 
 def draws(batch: int, k: int, vocab: int, device: torch.device,

@@ -4,12 +4,14 @@ the kept tokens out, with one read of them to the host."""
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
+from workers.input_batch import packed_to_device
 from workers.pending import copied_event, to_host
 from workers.request_state import RequestState
-from workers.sampler import target_probs
-from workers.spec.rejection import verify
+from workers.sampler import greedy, target_probs
+from workers.spec.rejection import verify, verify_greedy
 from workers.step_input import StepOutput
 
 
@@ -37,15 +39,23 @@ def verify_rows(logits: torch.Tensor, starts: Sequence[int], drafts: Sequence[li
     device = logits.device
     k = max(len(d) for d in drafts)
     batch, vocab = len(drafts), logits.shape[-1]
-    index = [[start + min(j, len(d)) for j in range(k + 1)]
-             for start, d in zip(starts, drafts, strict=True)]
-    rows = logits[torch.tensor(index, device=device).view(-1)]  # (B * (k+1), V)
-    specs = [state.spec for state in states for _ in range(k + 1)]
-    probs = target_probs(rows, specs).view(batch, k + 1, vocab)
-    draft_ids = torch.tensor([d + [0] * (k - len(d)) for d in drafts], device=device)
-    num_drafts = torch.tensor([len(d) for d in drafts], device=device)
-    generators = [state.generator_for_next_token() for state in states]
-    tokens, counts = verify(probs, draft_ids, num_drafts, None, generators, shared)
+    index = [start + min(j, len(d)) for start, d in zip(starts, drafts, strict=True)
+             for j in range(k + 1)]
+    padded = [t for d in drafts for t in d + [0] * (k - len(d))]
+    # one pinned, non-blocking copy: a pageable one would wait here for the forward to end,
+    # and the verify kernels would only be launched after it
+    index_t, draft_ids, num_drafts = packed_to_device(
+        [np.array(index), np.array(padded), np.array([len(d) for d in drafts])], np.int64,
+        device)
+    rows = logits[index_t]  # (B * (k+1), V)
+    draft_ids = draft_ids.view(batch, k)
+    if all(state.spec.is_greedy for state in states):
+        tokens, counts = verify_greedy(greedy(rows).view(batch, k + 1), draft_ids, num_drafts)
+    else:
+        specs = [state.spec for state in states for _ in range(k + 1)]
+        probs = target_probs(rows, specs).view(batch, k + 1, vocab)
+        generators = [state.generator_for_next_token() for state in states]
+        tokens, counts = verify(probs, draft_ids, num_drafts, None, generators, shared)
     host_tokens, host_counts = to_host(tokens), to_host(counts)
     return PendingTokens(host_tokens, host_counts, copied_event(tokens))
 

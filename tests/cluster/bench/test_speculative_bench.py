@@ -24,3 +24,28 @@ def test_w5_all_right_drafts_keep_every_one_and_the_same_tokens(tiny_models, tmp
     assert right["tokens_per_verify"] == 4.0
     assert wrong["tokens_per_verify"] == 1.0  # every draft rejected: one token a step
     assert right["rows_equal_to_plain"] == wrong["rows_equal_to_plain"] == 2
+
+
+def test_w5_the_target_as_its_own_draft_model_is_right_almost_always(tiny_models, tmp_path):
+    output = tmp_path / "w5-draft.json"
+    assert main(["bench", "speculative", "--model", str(tiny_models["llama"]), "--device", "cpu",
+                 "--draft-model", str(tiny_models["llama"]), "--proposer", "draft",
+                 "--batch-sizes", "1", "--k", "2", "--input-len", "8", "--output-len", "13",
+                 "--output", str(output)]) == 0
+    (result,) = json.loads(output.read_text())["results"]
+    # float32, one model: every draft kept; 12 tokens after the prefill's in 4 verify steps
+    assert result["measured_alpha"] == 1.0
+    assert result["tokens_per_verify"] == 3.0
+    assert result["rows_equal_to_plain"] == 1
+
+
+def test_w5_an_unrelated_draft_model_pays_its_cost_while_the_oracle_proposes(tiny_models,
+                                                                            tmp_path):
+    output = tmp_path / "w5-oracle-draft.json"
+    assert main(["bench", "speculative", "--model", str(tiny_models["llama"]), "--device", "cpu",
+                 "--draft-model", str(tiny_models["llama-draft"]), "--batch-sizes", "1",
+                 "--k", "2", "--alpha", "1.0", "--input-len", "8", "--output-len", "13",
+                 "--output", str(output)]) == 0
+    (result,) = json.loads(output.read_text())["results"]
+    assert result["tokens_per_verify"] == 3.0 and result["fixed_point"]
+    assert result["rounds"] == 1  # float32: the plain run's tokens are the answers already

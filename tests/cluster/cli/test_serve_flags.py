@@ -92,11 +92,10 @@ def test_speculative_flags_reach_the_engine_config():
      "--speculative-config: num_speculative_tokens must be in [1, 8], got 0"),
     (["--speculative-model", "qwen2.5-coder-0.5b-instruct",
       "--speculative-draft-tensor-parallel-size", "2"],
-     "--speculative-config: draft_tensor_parallel_size above 1 is not built yet (the draft "
-     "runs on rank 0's device), got 2"),
-    (["--speculative-config", '{"model": "m", "placement": "actor"}'],
-     "--speculative-config: placement 'actor' (a draft actor of its own) is not built yet: "
-     "use 'worker'"),
+     "--speculative-config: draft_tensor_parallel_size above 1 is not built yet (a draft "
+     "runs on one device, in the worker or in its actor), got 2"),
+    (["--speculative-config", '{"model": "m", "placement": "actor", "draft_gpus": 2}'],
+     "--speculative-config: draft_gpus must be in (0, 1] (a GPU or a share of one), got 2"),
 ])
 def test_bad_speculative_flags_are_refused_with_the_reason(flags, message):
     with pytest.raises(ValueError) as error:

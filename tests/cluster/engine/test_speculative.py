@@ -161,8 +161,8 @@ def test_rows_with_logprobs_or_penalties_do_not_draft(tiny_models):
     ({"prompt_lookup_min": 3, "prompt_lookup_max": 2},
      "prompt_lookup_max (2) must be at least prompt_lookup_min (3)"),
     ({"lookup": 2}, "unknown speculative_config keys: lookup (known: adaptive, "
-     "draft_tensor_parallel_size, method, model, num_speculative_tokens, placement, "
-     "prompt_lookup_max, prompt_lookup_min)"),
+     "draft_gpus, draft_tensor_parallel_size, method, model, num_speculative_tokens, "
+     "placement, prompt_lookup_max, prompt_lookup_min)"),
 ])
 def test_bad_speculative_configs_are_refused_at_start_up(tiny_models, config, message):
     with pytest.raises(ValueError) as error:
@@ -240,3 +240,40 @@ def test_a_draft_of_another_vocabulary_is_refused_at_start_up(tiny_models):
             speculative_config=draft(tiny_models["qwen2"], 2))
     assert str(error.value) == ("the draft model's vocabulary (999 tokens) differs from the "
                                 "target's (1001): it must share the tokenizer")
+
+
+@pytest.mark.ray
+def test_a_draft_actor_proposes_as_the_worker_draft_does(ray_session, tiny_models, expected):
+    """The draft in an actor of its own, under chunks, preemption and prefix hits: the same
+    tokens, the target as its own draft accepted as in the worker."""
+    config = draft(tiny_models["llama"], 4) | {"placement": "actor", "draft_gpus": 0.5}
+    llm, tokens = run(tiny_models["llama"], num_kv_blocks=26, max_num_batched_tokens=16,
+                      speculative_config=config)
+    assert tokens == expected
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.executor.worker.draft is None  # not in the worker
+    stats = llm.stats()
+    assert stats.spec_decode_num_accepted_tokens >= 0.95 * stats.spec_decode_num_draft_tokens
+    again = [out.token_ids for out in llm.generate(PROMPTS, GREEDY)]
+    assert again == expected and llm.stats().prefix_cache_hits > 0
+
+
+@pytest.mark.ray
+def test_a_draft_actor_serves_a_tensor_parallel_2_target(ray_session, tiny_models, expected):
+    """A draft model beside a target of two shards: only as an actor of its own."""
+    with pytest.raises(ValueError, match="a draft model inside the worker needs "
+                                         "tensor_parallel_size=1"):
+        LLM(str(tiny_models["llama"]), device="cpu", tensor_parallel_size=2,
+            distributed_executor_backend="ray",
+            speculative_config=draft(tiny_models["llama"], 2))
+    llm = LLM(str(tiny_models["llama"]), device="cpu", block_size=4, num_kv_blocks=128,
+              tensor_parallel_size=2, distributed_executor_backend="ray",
+              speculative_config=draft(tiny_models["llama"], 2) | {"placement": "actor"})
+    try:
+        outputs = llm.generate(PROMPTS, GREEDY)
+        assert [out.token_ids for out in outputs] == expected
+        stats = llm.stats()
+        assert stats.spec_decode_num_accepted_tokens >= 0.95 * stats.spec_decode_num_draft_tokens
+        llm.engine.scheduler.kv.check_integrity()
+    finally:
+        llm.engine.shutdown()

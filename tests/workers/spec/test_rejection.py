@@ -124,3 +124,22 @@ def test_ngram_takes_what_followed_the_latest_longest_match():
     assert ngram_drafts([3, 1, 3, 2, 3], 2, 1, 1) == [2, 3]  # the latest "3" is at 2
     assert ngram_drafts([1, 2, 1, 2], 5, 2, 2) == [1, 2]  # cut at the end of what is known
     assert ngram_drafts([4, 4], 3, 2, 4) == []  # shorter than min_n + 1
+
+
+def test_greedy_verification_from_argmaxes_equals_the_one_hot_verify():
+    from workers.spec.rejection import verify_greedy
+
+    torch.manual_seed(3)
+    batch, k, vocab = 256, 4, 7
+    argmax = torch.randint(0, vocab, (batch, k + 1))
+    # drafts equal to the argmax with probability ~1/2 each, so every accepted length occurs
+    wrong = torch.randint(1, vocab, (batch, k))
+    draft_ids = torch.where(torch.rand(batch, k) < 0.5, argmax[:, :k], (argmax[:, :k] + wrong)
+                            % vocab)
+    num_drafts = torch.randint(0, k + 1, (batch,))
+    one_hot = torch.zeros(batch, k + 1, vocab).scatter_(2, argmax.unsqueeze(2), 1.0)
+    expected = verify(one_hot, draft_ids, num_drafts, None, [None] * batch,
+                      torch.Generator().manual_seed(0))
+    tokens, counts = verify_greedy(argmax, draft_ids, num_drafts)
+    assert torch.equal(tokens, expected[0]) and torch.equal(counts, expected[1])
+    assert set(counts.tolist()) == {1, 2, 3, 4, 5}
