@@ -6,6 +6,7 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.ray.shard_actor import SHARD_ACTOR_OPTIONS, ShardActor
+from workers.device_stats import DeviceStats
 from workers.step_input import StepInput, StepOutput
 from workers.worker import WorkerConfig
 
@@ -83,6 +84,11 @@ class RayExecutor:
         finally:
             tables = self._all(lambda actor: actor.stop_profile.remote())
         return tables
+
+    def device_stats(self) -> list[DeviceStats]:
+        """Each shard's GPU, rank 0 first; empty on the CPU."""
+        stats = self._all(lambda actor: actor.device_stats.remote())
+        return [shard for shard in stats if shard is not None]
 
     def shard_pids(self) -> list[int]:
         return self._all(lambda actor: actor.pid.remote())
