@@ -138,6 +138,18 @@ class ReplicaRouter:
         self.removed.add(replica)
         self.directory.remove_replica(replica)
 
+    def restore(self, present: Sequence[int]) -> None:
+        """Makes the replicas the cluster has, and only those, present: after this router was
+        restarted (built again with the cluster's first count), the autoscaler may have added
+        some, taken as alive, and removed others."""
+        for index in range(self.num_replicas, max(present, default=-1) + 1):
+            self.add_replica()
+            if index in present:
+                self.replica_up(index)
+        for index in self.present():
+            if index not in present:
+                self.remove(index)
+
     def _check_present(self, replica: int) -> None:
         if not 0 <= replica < self.num_replicas or replica in self.removed:
             raise ValueError(f"no replica {replica} (present: {self.present()})")

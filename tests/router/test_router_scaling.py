@@ -69,3 +69,13 @@ def test_the_last_accepting_replica_cannot_drain_and_unknown_ones_are_named():
         router.drain(0)
     with pytest.raises(ValueError, match=r"no replica 5 \(present: \[1\]\)"):
         router.remove(5)
+
+
+def test_a_restarted_router_is_restored_to_the_replicas_the_cluster_has():
+    router = ReplicaRouter(2, "least-loaded")  # as built again: the first count
+    router.restore([0, 3])  # 1 and 2 were removed; 3 was added (and is running)
+    assert router.present() == [0, 3] and router.num_replicas == 4
+    assert [assign(router, r) for r in ("a", "b", "c")] == [0, 3, 0]
+    router.restore([0, 3])  # again: nothing changes
+    assert router.present() == [0, 3] and router.num_replicas == 4
+    router.directory.check_integrity()
