@@ -52,6 +52,9 @@ def test_load_adds_a_replica_and_a_lighter_load_drains_it_away(ray_session, tiny
     cluster = TandemCluster(EngineConfig(model=str(tiny_models["llama"]), device="cpu",
                                          block_size=4, num_kv_blocks=1024),
                             num_replicas=1, routing="least-loaded", autoscaling=POLICY)
+    # an HTTP ingress replica's view, attached before the cluster grew: it finds the new
+    # replica through the router
+    view = TandemCluster.attach(cluster.handles())
     autoscaler, clock = cluster.autoscaler, FakeClock()
     assert autoscaler is not None
     autoscaler.clock = clock
@@ -82,9 +85,9 @@ def test_load_adds_a_replica_and_a_lighter_load_drains_it_away(ray_session, tiny
             await asyncio.sleep(0.1)
         assert [(a.delta, a.replica) for a in autoscaler.history] == [(1, 1)]
         outputs = await asyncio.gather(*step)
-        # the lighter load: one request each (least-loaded: the second goes where the first
-        # did not), and the new replica serves its share
-        light = [asyncio.create_task(complete(cluster, f"light-{i}", 400)) for i in range(2)]
+        # the lighter load, through the view: one request each (least-loaded: the second goes
+        # where the first did not), and the new replica serves its share
+        light = [asyncio.create_task(complete(view, f"light-{i}", 400)) for i in range(2)]
         await until(lambda: loads() == [1, 1])
         assert (await tick()).reason == "waiting_to_scale_down"
         drained = await tick(5.0)
@@ -111,7 +114,9 @@ def test_load_adds_a_replica_and_a_lighter_load_drains_it_away(ray_session, tiny
         # no request lost, and every one the same greedy output wherever it ran
         assert [reason for _, reason in outputs] == ["length"] * 14
         assert {tuple(tokens[:300]) for tokens, _ in outputs} == {tuple(outputs[0][0])}
-        assert len(asyncio.run(cluster.metrics())) == 1  # none asked of the removed one
+        # none is asked of the removed one, by the owner or by the view
+        assert len(asyncio.run(cluster.metrics())) == len(asyncio.run(view.metrics())) == 1
+        assert len(view.replicas) == 1  # its list refreshed from the router
     finally:
         cluster.shutdown()
     assert not autoscaler._thread.is_alive()  # shutdown woke and ended its thread
