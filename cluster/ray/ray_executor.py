@@ -28,7 +28,12 @@ class RayExecutor:
         self.placement_group: PlacementGroup = placement_group(
             [bundle] * tensor_parallel_size, strategy="STRICT_PACK"
         )
-        ray.get(self.placement_group.ready(), timeout=600)
+        try:
+            ray.get(self.placement_group.ready(), timeout=600)
+        except ray.exceptions.GetTimeoutError:
+            # a pending group is demand Ray's autoscaler keeps trying to meet with a node
+            remove_placement_group(self.placement_group)
+            raise
         self.actors = [
             ray.remote(ShardActor).options(
                 num_cpus=1, num_gpus=gpus, **SHARD_ACTOR_OPTIONS,

@@ -218,9 +218,12 @@ class TandemCluster:
     def shutdown(self) -> None:
         if not self.owns_actors:
             return
+        starting: set[int] = set()
         if self.autoscaler is not None:
             self.autoscaler.stop()
-        replicas = [replica for replica in self.replicas if replica is not None]
-        ray.get([replica.shutdown.remote() for replica in replicas])
-        for actor in [*replicas, self.router]:
+            # one still starting may wait minutes for a node: it is killed, not asked to stop
+            starting = set(self.autoscaler.starting)
+        handles = self.replica_handles()
+        ray.get([r.shutdown.remote() for i, r in handles.items() if i not in starting])
+        for actor in [*handles.values(), self.router]:
             ray.kill(actor)
