@@ -102,6 +102,11 @@ class KVDirectory:
                 return True
         return False
 
+    def add_replica(self) -> int:
+        """A new replica (the cluster scaled up), holding nothing yet; its index."""
+        self.replicas.append(ReplicaView())
+        return len(self.replicas) - 1
+
     def remove_replica(self, replica: int) -> None:
         """The replica is gone (its engine died): it holds nothing until it reports again."""
         self._forget(replica)

@@ -25,6 +25,7 @@ class ReplicaLoad:
     num_requests: int = 0  # routed there and not finished
     num_prefilling: int = 0  # of which have no first token yet
     num_prefill_tokens: int = 0  # their prompt tokens not found cached when they were routed
+    accepting: bool = True  # False while draining (the autoscaler removes it) and after
 
 
 @dataclass(frozen=True)
@@ -51,11 +52,15 @@ class PlacementPolicy(Protocol):
 
 
 def candidates(loads: Sequence[ReplicaLoad]) -> list[int]:
-    """The live replicas; all of them when none is (requests then wait for a rebuild)."""
+    """The live replicas that accept requests; all that accept when none is alive (requests
+    then wait for a rebuild). A draining replica never gets a new request."""
     if not loads:
         raise ValueError("no replicas to place a request on")
-    alive = [index for index, load in enumerate(loads) if load.alive]
-    return alive or list(range(len(loads)))
+    accepting = [index for index, load in enumerate(loads) if load.accepting]
+    if not accepting:
+        raise ValueError("no replica accepts requests: every one is draining or removed")
+    alive = [index for index in accepting if loads[index].alive]
+    return alive or accepting
 
 
 class RoundRobin:

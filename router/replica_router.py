@@ -29,6 +29,7 @@ class RouterStats:
     loads: list[ReplicaLoad]
     resyncs: int
     blocks_held: list[int] = field(default_factory=list)  # per replica
+    removed: frozenset[int] = frozenset()  # replicas the autoscaler took away (indices stay)
 
 
 class ReplicaRouter:
@@ -37,6 +38,10 @@ class ReplicaRouter:
         self.directory = KVDirectory(num_replicas)
         self.policy = make_policy(policy, self.directory)
         self.alive = [True] * num_replicas
+        # the autoscaler's: a draining replica gets no new requests; a removed one is gone
+        # for good (indices are never reused, so a late event or stream can't be mistaken)
+        self.accepting = [True] * num_replicas
+        self.removed: set[int] = set()
         self.placed: dict[str, Placed] = {}
         # per replica, kept as requests come and go (a decision must not walk every request)
         self.num_requests = [0] * num_replicas
@@ -54,7 +59,7 @@ class ReplicaRouter:
     def loads(self) -> list[ReplicaLoad]:
         return [ReplicaLoad(*load) for load in zip(
             self.alive, self.num_requests, self.num_prefilling, self.num_prefill_tokens,
-            strict=True)]
+            self.accepting, strict=True)]
 
     def assign(self, request_id: str, block_hashes: Sequence[BlockHash],
                num_prompt_tokens: int, block_size: int) -> Decision:
@@ -89,12 +94,16 @@ class ReplicaRouter:
 
     def report(self, batch: EventBatch) -> bool:
         """Applies a replica's batch; True when its dump is needed (pass it to ``resync``)."""
+        if batch.replica in self.removed:
+            return False  # sent before it was removed: its blocks went with it
         self.event_lag_s = max(0.0, self.clock() - batch.created_at)
         needs_dump = self.directory.apply(batch)
         self.resyncs += needs_dump
         return needs_dump
 
     def resync(self, dump: CacheDump) -> bool:
+        if dump.replica in self.removed:
+            return False
         return self.directory.resync(dump)
 
     def replica_down(self, replica: int) -> None:
@@ -103,9 +112,54 @@ class ReplicaRouter:
         self.directory.remove_replica(replica)
 
     def replica_up(self, replica: int) -> None:
-        self.alive[replica] = True
+        if replica not in self.removed:
+            self.alive[replica] = True
+
+    def add_replica(self) -> int:
+        """A slot for a new replica, not alive until it reports up; its index."""
+        index = self.directory.add_replica()
+        self.alive.append(False)
+        self.accepting.append(True)
+        for count in (self.num_requests, self.num_prefilling, self.num_prefill_tokens):
+            count.append(0)
+        return index
+
+    def drain(self, replica: int) -> None:
+        """No new request goes to the replica; those in flight there go on."""
+        self._check_present(replica)
+        if sum(self.accepting) == 1 and self.accepting[replica]:
+            raise ValueError(f"replica {replica} is the last one accepting requests")
+        self.accepting[replica] = False
+
+    def remove(self, replica: int) -> None:
+        """The replica is gone (drained, then stopped): it never comes back."""
+        self._check_present(replica)
+        self.accepting[replica] = self.alive[replica] = False
+        self.removed.add(replica)
+        self.directory.remove_replica(replica)
+
+    def restore(self, present: Sequence[int]) -> None:
+        """Makes the replicas the cluster has, and only those, present: after this router was
+        restarted (built again with the cluster's first count), the autoscaler may have added
+        some, taken as alive, and removed others."""
+        for index in range(self.num_replicas, max(present, default=-1) + 1):
+            self.add_replica()
+            if index in present:
+                self.replica_up(index)
+        for index in self.present():
+            if index not in present:
+                self.remove(index)
+
+    def _check_present(self, replica: int) -> None:
+        if not 0 <= replica < self.num_replicas or replica in self.removed:
+            raise ValueError(f"no replica {replica} (present: {self.present()})")
+
+    def present(self) -> list[int]:
+        """The replicas not removed, draining ones included."""
+        return [index for index in range(self.num_replicas) if index not in self.removed]
 
     def stats(self) -> RouterStats:
         return RouterStats(dict(self.decisions), self.directory.num_blocks, self.event_lag_s,
                            self.loads(), self.resyncs,
-                           [len(view.hashes) for view in self.directory.replicas])
+                           [len(view.hashes) for view in self.directory.replicas],
+                           frozenset(self.removed))

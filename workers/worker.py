@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from workers.attention.reference import ReferenceAttentionBackend
+from workers.device_stats import DeviceStats, read_device_stats
 from workers.gc_freeze import freeze_start_up_objects
 from workers.input_batch import (
     DecodeRows,
@@ -120,6 +121,10 @@ class Worker:
     @property
     def is_driver(self) -> bool:
         return self.tp.rank == 0
+
+    def device_stats(self) -> DeviceStats | None:
+        """This shard's GPU utilization and memory; None on the CPU."""
+        return read_device_stats(self.device, self.tp.rank)
 
     def determine_num_kv_blocks(self) -> int:
         """How many KV blocks fit: a fixed budget on the CPU, free memory on a GPU."""

@@ -12,6 +12,7 @@ import sys
 import time
 
 from cluster import environment
+from cluster.cli.autoscaling_flags import add_autoscaling_flags, autoscaling_config
 from cluster.engine.config import DEFAULT_MODEL
 from cluster.serve.config import ServeConfig, load_config
 from workers.spec.config import SpeculativeConfig
@@ -91,6 +92,7 @@ def add_serve_command(subparsers: argparse._SubParsersAction) -> None:
                         default=None, help="Ray Serve's throughput-optimized mode: HTTP reaches "
                         "the ingress replicas without Serve's proxy actor (default: on, or "
                         f"${environment.SERVE_THROUGHPUT_OPTIMIZED.name})")
+    add_autoscaling_flags(parser)
     parser.set_defaults(handler=serve_command)
 
 
@@ -102,6 +104,7 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
     if args.model_name:
         values["model"] = args.model_name
     values["speculative_config"] = speculative_config(args)
+    values["autoscaling"] = autoscaling_config(args)
     return load_config(values, names=flag_names())
 
 

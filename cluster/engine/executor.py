@@ -2,6 +2,7 @@
 
 from typing import Protocol
 
+from workers.device_stats import DeviceStats
 from workers.step_input import StepInput, StepOutput
 from workers.worker import Worker, WorkerConfig
 
@@ -10,6 +11,7 @@ class Executor(Protocol):
     def determine_num_kv_blocks(self) -> int: ...
     def init_kv_cache(self, num_blocks: int) -> None: ...
     def execute(self, step: StepInput) -> StepOutput: ...
+    def device_stats(self) -> list[DeviceStats]: ...  # one per shard on a GPU, none on the CPU
     def shutdown(self) -> None: ...
 
 
@@ -29,6 +31,10 @@ class UniExecutor:
         output = self.worker.execute(step)
         assert output is not None, "the in-process worker is the driver"
         return output
+
+    def device_stats(self) -> list[DeviceStats]:
+        stats = self.worker.device_stats()
+        return [stats] if stats is not None else []
 
     def shutdown(self) -> None:
         self.worker.kv_caches = []

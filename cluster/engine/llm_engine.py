@@ -18,7 +18,7 @@ from transformers import PretrainedConfig
 from cluster.engine.config import EngineConfig
 from cluster.engine.executor import Executor, UniExecutor
 from cluster.engine.kv_events import KVEventPublisher
-from cluster.engine.metrics import EngineMetrics, MetricsSnapshot
+from cluster.engine.metrics import EngineMetrics, LoadSample, MetricsSnapshot
 from cluster.engine.output_processor import (
     CompletionTracker,
     RequestTracker,
@@ -47,6 +47,7 @@ from router.sampling_params import SEED_END, SamplingParams
 from router.scheduler import Scheduler, SchedulerConfig
 from router.sequence import FinishReason, Sequence
 from workers.catalog import resolve_model
+from workers.device_stats import DeviceStats
 from workers.gc_freeze import freeze_start_up_objects, unfreeze
 from workers.loader import load_config
 from workers.spec.config import SpeculativeConfig
@@ -130,6 +131,7 @@ class LLMEngine:
         self.kv_hash_keys = (config.block_size, extra_keys)
         kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
                             extra_keys=self.kv_hash_keys[1])
+        self.replica_index = replica_index
         self.kv_events = None if replica_index is None else KVEventPublisher(kv, replica_index)
         # a draft model proposes into the k slots after a row's tokens: they are set aside
         draft_slots = speculation.num_speculative_tokens if speculation and speculation.model else 0
@@ -275,7 +277,7 @@ class LLMEngine:
         result = self.executor.execute(step)
         seconds = time.perf_counter() - started
         sampled = dict(zip(result.request_ids, result.token_ids, strict=True))
-        self.metrics.batch_size = len(scheduled.scheduled)
+        self.metrics.on_step(len(scheduled.scheduled))
         scheduled_seqs = {item.seq.request_id: item.seq for item in scheduled.scheduled}
         num_before = {seq_id: seq.num_tokens for seq_id, seq in scheduled_seqs.items()}
         finished = {seq.request_id: seq for seq in self.scheduler.update(scheduled, sampled)}
@@ -367,7 +369,8 @@ class LLMEngine:
         if tracker.finished:
             tracker.metrics.finished_time = now
             reason = next(iter(tracker.completions.values())).output.finish_reason or "abort"
-            self.metrics.on_finish(reason, now - tracker.metrics.arrival_time)
+            generated = sum(len(c.output.token_ids) for c in tracker.completions.values())
+            self.metrics.on_finish(reason, now - tracker.metrics.arrival_time, generated)
 
     def _drop(self, request_id: str) -> None:
         tracker = self.requests.pop(request_id)
@@ -396,7 +399,27 @@ class LLMEngine:
             stats.kv_blocks_used, stats.kv_blocks_total, m.spec_decode_drafts,
             m.spec_decode_draft_tokens, m.spec_decode_accepted_tokens,
             tuple(m.spec_decode_accepted_per_position), m.spec_decode_speedup,
+            m.batch_sizes.copy(), m.request_tokens_per_second.copy(),
+            self._device_stats(), self.replica_index,
         )
+
+    def _device_stats(self) -> tuple[DeviceStats, ...]:
+        try:
+            return tuple(self.executor.device_stats())
+        except Exception:  # a shard that died: the next step finds out and rebuilds
+            log.warning("could not read the shards' device stats", exc_info=True)
+            return ()
+
+    def load_sample(self) -> LoadSample:
+        """The autoscaler's signals: cheap enough to take every second."""
+        kv, scheduler = self.scheduler.kv, self.scheduler
+        # prompt tokens still to compute: the waiting ones', and what running prefills lack
+        waiting = sum(seq.num_tokens - seq.num_computed_tokens for seq in scheduler.waiting)
+        waiting += sum(max(0, seq.num_prompt_tokens - seq.num_computed_tokens)
+                       for seq in scheduler.running)
+        return LoadSample(waiting, len(scheduler.running),
+                          kv.num_used_blocks / max(kv.num_blocks, 1),
+                          tuple(self.metrics.time_to_first_token.counts))
 
     def shutdown(self) -> None:
         self.executor.shutdown()

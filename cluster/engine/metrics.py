@@ -2,16 +2,32 @@
 
 The engine records into ``EngineMetrics``; ``snapshot()`` copies it into a picklable
 ``MetricsSnapshot`` that the HTTP ingress gathers from every replica at scrape time.
-Bucket bounds follow vLLM's.
+
+Bucket bounds follow vLLM's where they fit a GPU: a decode step takes about a millisecond
+there, so inter-token latency and queue time start at 0.5 ms (vLLM's start at 10 ms and
+0.3 s, where every step of a small model would land in the first bucket and no p50 or p99
+could be read).
 """
 
 import bisect
 from dataclasses import dataclass, field
 
+from workers.device_stats import DeviceStats
+
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
                 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
-               7.5, 10.0, 20.0, 40.0, 80.0)
+ITL_BUCKETS = (0.0005, 0.001, 0.0015, 0.002, 0.003, 0.004, 0.005, 0.0075, 0.01, 0.015, 0.02,
+               0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0,
+               10.0, 20.0, 40.0, 80.0)
+QUEUE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+                 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+# sequences in one engine step: powers of two and the halfway points, to the largest batches
+BATCH_SIZE_BUCKETS = (1.0, 2.0, 4.0, 8.0, 12.0, 16.0, 24.0, 32.0, 48.0, 64.0, 96.0, 128.0, 192.0,
+                      256.0, 384.0, 512.0, 768.0, 1024.0)
+# a request's generated tokens over its end-to-end time: from a long queue (1) to a GPU's
+# decode speed for one sequence (a few thousand)
+TOKENS_PER_SECOND_BUCKETS = (1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 150.0, 200.0, 300.0, 500.0,
+                             750.0, 1000.0, 1500.0, 2000.0, 3000.0, 5000.0, 10000.0)
 LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
                    60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 
@@ -58,6 +74,22 @@ class MetricsSnapshot:
     spec_decode_accepted_tokens: int = 0
     spec_decode_accepted_per_position: tuple[int, ...] = ()  # kept drafts by their place
     spec_decode_speedup: float = 1.0  # EngineMetrics.spec_decode_speedup
+    batch_sizes: Histogram = field(default_factory=lambda: Histogram(BATCH_SIZE_BUCKETS))
+    request_tokens_per_second: Histogram = field(
+        default_factory=lambda: Histogram(TOKENS_PER_SECOND_BUCKETS))
+    devices: tuple[DeviceStats, ...] = ()  # one per shard on a GPU, none on the CPU
+    replica: int | None = None  # the cluster's replica index; None outside a cluster
+
+
+@dataclass(frozen=True)
+class LoadSample:
+    """What the autoscaler reads from a replica each second: small, no histogram copies but
+    the time-to-first-token counts its window needs."""
+
+    waiting_prompt_tokens: int  # prompt tokens queued and not computed yet
+    running_seqs: int
+    kv_usage: float  # 0 to 1
+    ttft_counts: tuple[int, ...]  # per TTFT_BUCKETS bucket (+Inf last), since the engine began
 
 
 @dataclass
@@ -65,7 +97,10 @@ class EngineMetrics:
     time_to_first_token: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS))
     inter_token_latency: Histogram = field(default_factory=lambda: Histogram(ITL_BUCKETS))
     e2e_latency: Histogram = field(default_factory=lambda: Histogram(LATENCY_BUCKETS))
-    queue_time: Histogram = field(default_factory=lambda: Histogram(LATENCY_BUCKETS))
+    queue_time: Histogram = field(default_factory=lambda: Histogram(QUEUE_BUCKETS))
+    batch_sizes: Histogram = field(default_factory=lambda: Histogram(BATCH_SIZE_BUCKETS))
+    request_tokens_per_second: Histogram = field(
+        default_factory=lambda: Histogram(TOKENS_PER_SECOND_BUCKETS))
     prompt_tokens: int = 0
     generation_tokens: int = 0
     finished_requests: dict[str, int] = field(default_factory=dict)
@@ -89,6 +124,15 @@ class EngineMetrics:
         self.time_to_first_token.observe(ttft)
         self.queue_time.observe(queue_time)
 
-    def on_finish(self, reason: str, e2e_latency: float) -> None:
+    def on_step(self, num_seqs: int) -> None:
+        self.batch_size = num_seqs
+        if num_seqs:  # a step that only released finished sequences ran no batch
+            self.batch_sizes.observe(num_seqs)
+
+    def on_finish(self, reason: str, e2e_latency: float, num_generated: int = 0) -> None:
+        """``num_generated``: the request's output tokens (all of its completions), for its
+        tokens per second; aborted requests pass none and are left out of that histogram."""
         self.finished_requests[reason] = self.finished_requests.get(reason, 0) + 1
         self.e2e_latency.observe(e2e_latency)
+        if num_generated and e2e_latency > 0:
+            self.request_tokens_per_second.observe(num_generated / e2e_latency)

@@ -6,6 +6,7 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.ray.shard_actor import SHARD_ACTOR_OPTIONS, ShardActor
+from workers.device_stats import DeviceStats
 from workers.step_input import StepInput, StepOutput
 from workers.worker import WorkerConfig
 
@@ -27,7 +28,12 @@ class RayExecutor:
         self.placement_group: PlacementGroup = placement_group(
             [bundle] * tensor_parallel_size, strategy="STRICT_PACK"
         )
-        ray.get(self.placement_group.ready(), timeout=600)
+        try:
+            ray.get(self.placement_group.ready(), timeout=600)
+        except ray.exceptions.GetTimeoutError:
+            # a pending group is demand Ray's autoscaler keeps trying to meet with a node
+            remove_placement_group(self.placement_group)
+            raise
         self.actors = [
             ray.remote(ShardActor).options(
                 num_cpus=1, num_gpus=gpus, **SHARD_ACTOR_OPTIONS,
@@ -83,6 +89,11 @@ class RayExecutor:
         finally:
             tables = self._all(lambda actor: actor.stop_profile.remote())
         return tables
+
+    def device_stats(self) -> list[DeviceStats]:
+        """Each shard's GPU, rank 0 first; empty on the CPU."""
+        stats = self._all(lambda actor: actor.device_stats.remote())
+        return [shard for shard in stats if shard is not None]
 
     def shard_pids(self) -> list[int]:
         return self._all(lambda actor: actor.pid.remote())

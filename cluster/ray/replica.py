@@ -23,7 +23,7 @@ from dataclasses import replace
 
 from cluster.engine.config import EngineConfig
 from cluster.engine.llm_engine import LLMEngine
-from cluster.engine.metrics import MetricsSnapshot
+from cluster.engine.metrics import LoadSample, MetricsSnapshot
 from cluster.engine.outputs import EngineStats, RequestDelta
 from cluster.ray.ray_executor import ShardFailure
 from kvstore.directory import CacheDump
@@ -226,6 +226,10 @@ class ReplicaActor:
 
     async def metrics(self) -> MetricsSnapshot:
         return self._engine().metrics_snapshot()
+
+    async def load_sample(self) -> LoadSample:
+        """The autoscaler's signals, each second: no histogram copies, no shard calls."""
+        return self._engine().load_sample()
 
     async def shard_pids(self) -> list[int]:
         executor = self._engine().executor

@@ -19,6 +19,7 @@ ROUTER_ACTOR_OPTIONS = {"max_restarts": -1, "num_cpus": 0}
 class RouterActor:
     def __init__(self, num_replicas: int, policy: str = "prefix-affinity") -> None:
         self.router = ReplicaRouter(num_replicas, policy)
+        self.handles: dict[int, object] = {}  # replica index -> actor handle (sync_replicas)
 
     async def assign(self, request_id: str, block_hashes: Sequence[BlockHash],
                      num_prompt_tokens: int, block_size: int) -> int:
@@ -50,3 +51,26 @@ class RouterActor:
 
     async def get_loads(self) -> list[int]:
         return [load.num_requests for load in self.router.loads()]
+
+    # Replicas the autoscaler (cluster/ray/autoscaler.py) adds and removes while the cluster
+    # runs. Their handles are kept here, where every ingress process can find them.
+
+    async def add_replica(self) -> int:
+        """A slot for a replica about to start; nothing goes there until it reports up."""
+        return self.router.add_replica()
+
+    async def sync_replicas(self, handles: dict[int, object]) -> None:
+        """The cluster's replicas by index, from their owner (at start and each autoscaler
+        sample): a router restarted meanwhile gets its slots back this way."""
+        self.router.restore(sorted(handles))
+        self.handles = dict(handles)
+
+    async def replica_handles(self) -> dict[int, object]:
+        return dict(self.handles)
+
+    async def drain(self, replica: int) -> None:
+        self.router.drain(replica)
+
+    async def remove_replica(self, replica: int) -> None:
+        self.router.remove(replica)
+        self.handles.pop(replica, None)

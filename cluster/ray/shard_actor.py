@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from cluster import environment
+from workers.device_stats import DeviceStats
 from workers.layers.parallel import TensorParallelGroup
 from workers.step_input import StepInput, StepOutput
 from workers.worker import Worker, WorkerConfig
@@ -81,6 +82,12 @@ class ShardActor:
     def execute(self, step: StepInput) -> StepOutput | None:
         assert self.worker is not None
         return self.worker.execute(step)
+
+    def device_stats(self) -> DeviceStats | None:
+        """Called at scrape time beside the compiled graph's steps: NVML and the allocator's
+        counters only, nothing that waits for the device."""
+        assert self.worker is not None
+        return self.worker.device_stats()
 
     def uses_cuda_graphs(self) -> bool:
         """Whether decode steps replay CUDA graphs (all ranks agree at capture)."""

@@ -11,6 +11,7 @@ iteration early (a client that disconnected) aborts the request on its replica, 
 KV blocks at once.
 """
 
+import logging
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,14 +21,18 @@ import ray
 from cluster.engine.config import EngineConfig
 from cluster.engine.metrics import MetricsSnapshot
 from cluster.engine.outputs import EngineStats, OutputAccumulator, RequestOutput
+from cluster.ray.autoscaler import ReplicaAutoscaler
 from cluster.ray.replica import REPLICA_ACTOR_OPTIONS, ReplicaActor
 from cluster.ray.replica_streams import ReplicaStream
 from cluster.ray.router_actor import ROUTER_ACTOR_OPTIONS, RouterActor
 from kvstore.block_hash import ExtraKeys, hash_full_blocks
+from router.autoscale import AutoscalingPolicy
 from router.placement import POLICIES
 from router.replica_router import RouterStats
 from router.sampling_params import SamplingParams
 from workers.catalog import resolve_model
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -42,11 +47,19 @@ class ClusterHandles:
     kv_hash_keys: tuple[int, ExtraKeys]  # the engines' block size and extra keys
 
 
+class ReplicaGone(RuntimeError):
+    """The router placed a request on a replica the autoscaler has removed since."""
+
+
 class TandemCluster:
     owns_actors = True  # False for a view attached to another process's cluster
+    autoscaler: "ReplicaAutoscaler | None" = None  # only the owner runs one
 
     def __init__(self, config: EngineConfig, num_replicas: int = 1,
-                 routing: str = "prefix-affinity") -> None:
+                 routing: str = "prefix-affinity",
+                 autoscaling: AutoscalingPolicy | None = None) -> None:
+        """``autoscaling``: add and remove replicas with the load, between its bounds
+        (``num_replicas`` is the count to start with)."""
         if num_replicas < 1:
             raise ValueError(f"num_replicas must be at least 1, got {num_replicas}")
         if routing not in POLICIES:
@@ -70,10 +83,42 @@ class TandemCluster:
         self.model_path = resolve_model(str(infos[0]["model_path"]), config.cache_dir)
         self.max_model_len = min(int(info["max_model_len"]) for info in infos)  # type: ignore[call-overload]
         self.kv_hash_keys = infos[0]["kv_hash_keys"]
+        ray.get(self.router.sync_replicas.remote(dict(enumerate(self.replicas))))
+        self.autoscaler: ReplicaAutoscaler | None = None
+        if autoscaling is not None:
+            self.autoscaler = ReplicaAutoscaler(self, autoscaling)
+            self.autoscaler.start()
 
     def handles(self) -> ClusterHandles:
         return ClusterHandles(list(self.replicas), self.router, str(self.model_path),
                               self.max_model_len, self.kv_hash_keys)
+
+    # -- the autoscaler's hooks (cluster/ray/autoscaler.py); indices are never reused -------
+
+    def start_replica(self) -> tuple[int, ray.ObjectRef]:
+        """Starts one more replica: its shards ask for a placement group of their own, which a
+        full cluster meets by asking Ray's autoscaler for a node. Returns its index and a ref
+        that resolves once its engine is built."""
+        index = ray.get(self.router.add_replica.remote())
+        assert index == len(self.replicas), (index, len(self.replicas))
+        replica = ray.remote(ReplicaActor).options(**REPLICA_ACTOR_OPTIONS).remote(
+            self.config, index, self.router)
+        self.replicas.append(replica)
+        ray.get(self.router.sync_replicas.remote(self.replica_handles()))
+        return index, replica.info.remote()
+
+    def replica_handles(self) -> dict[int, object]:
+        return {index: r for index, r in enumerate(self.replicas) if r is not None}
+
+    def remove_replica(self, index: int, timeout_s: float = 60.0) -> None:
+        """Stops a replica (drained first: see ``ReplicaAutoscaler``) and forgets it."""
+        replica, self.replicas[index] = self.replicas[index], None
+        ray.get(self.router.remove_replica.remote(index))
+        try:
+            ray.get(replica.shutdown.remote(), timeout=timeout_s)  # its shards and their group
+        except (ray.exceptions.RayError, TimeoutError) as error:
+            log.warning("replica %d did not shut down cleanly: %r", index, error)
+        ray.kill(replica)
 
     @classmethod
     def attach(cls, handles: ClusterHandles) -> "TandemCluster":
@@ -94,7 +139,10 @@ class TandemCluster:
         salt = (params.cache_salt,) if params.cache_salt else ()
         hashes = hash_full_blocks(prompt_ids, block_size, tuple(extra_keys) + salt)
         index = await self.router.assign.remote(request_id, hashes, len(prompt_ids), block_size)
-        replica, stream = self.replicas[index], self._stream(index)
+        replica = self.replicas[index] if index < len(self.replicas) else None
+        if replica is None:  # the autoscaler added it after this view last looked
+            replica = await self._refresh_replicas(index)
+        stream = self._stream(index)
         queue = stream.open(request_id)
         finished = started = False
         accumulator = OutputAccumulator()
@@ -151,12 +199,31 @@ class TandemCluster:
     async def router_stats(self) -> RouterStats:
         return await self.router.stats.remote()
 
+    async def _refresh_replicas(self, index: int | None = None) -> object:
+        """This view's replica list from the router's (the owner keeps it there)."""
+        handles = await self.router.replica_handles.remote()
+        self.replicas = [handles.get(i) for i in range(max(handles, default=-1) + 1)]
+        if index is not None:
+            if handles.get(index) is None:
+                raise ReplicaGone(f"replica {index} was removed")
+            return handles[index]
+        return None
+
     async def _on_all(self, method: str, *args: object) -> list:
-        return [await getattr(replica, method).remote(*args) for replica in self.replicas]
+        if not self.owns_actors:  # the owner's autoscaler may have added or removed some
+            await self._refresh_replicas()
+        return [await getattr(replica, method).remote(*args) for replica in self.replicas
+                if replica is not None]
 
     def shutdown(self) -> None:
         if not self.owns_actors:
             return
-        ray.get([replica.shutdown.remote() for replica in self.replicas])
-        for actor in [*self.replicas, self.router]:
+        starting: set[int] = set()
+        if self.autoscaler is not None:
+            self.autoscaler.stop()
+            # one still starting may wait minutes for a node: it is killed, not asked to stop
+            starting = set(self.autoscaler.starting)
+        handles = self.replica_handles()
+        ray.get([r.shutdown.remote() for i, r in handles.items() if i not in starting])
+        for actor in [*handles.values(), self.router]:
             ray.kill(actor)

@@ -116,8 +116,8 @@ def add_error_handlers(app: FastAPI) -> None:
 def start_cluster(config: ServeConfig) -> "TandemCluster":
     from cluster.ray.tandem_cluster import TandemCluster
 
-    return TandemCluster(config.engine_config(), num_replicas=config.num_replicas,
-                         routing=config.routing)
+    return TandemCluster(config.engine_config(), num_replicas=config.initial_replicas,
+                         routing=config.routing, autoscaling=config.autoscaling)
 
 
 @serve.deployment(name="tandem-engines", num_replicas=1, ray_actor_options={"num_cpus": 0})

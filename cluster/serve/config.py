@@ -8,10 +8,11 @@ import json
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from cluster import environment
 from cluster.engine.config import DEFAULT_MODEL, EngineConfig
+from router.autoscale import AutoscalingPolicy
 
 AUTO_GPU_INGRESS_REPLICAS = 4
 
@@ -68,6 +69,30 @@ class ServeConfig(BaseModel):
     routing: Literal["prefix-affinity", "least-loaded", "round-robin"] = Field(
         "prefix-affinity", description="How a request finds its replica: where its prefix is "
         "cached (with a load guard), the fewest requests in flight, or in turn.")
+    autoscaling: AutoscalingPolicy | None = Field(None, description="Engine replicas added "
+                                                  "and removed with the load between "
+                                                  "min_replicas and max_replicas (fields: "
+                                                  "router/autoscale.py); num_replicas, if "
+                                                  "given, is the count to start with.")
+
+    @model_validator(mode="after")
+    def _start_within_the_bounds(self) -> "ServeConfig":
+        bounds = self.autoscaling
+        if bounds is not None and "num_replicas" in self.model_fields_set and not (
+                bounds.min_replicas <= self.num_replicas <= bounds.max_replicas):
+            raise ValueError(f"num_replicas ({self.num_replicas}) is the count autoscaling "
+                             f"starts with: give one in min_replicas..max_replicas "
+                             f"({bounds.min_replicas}..{bounds.max_replicas}), or leave it out "
+                             "to start at min_replicas")
+        return self
+
+    @property
+    def initial_replicas(self) -> int:
+        """The engine replicas to start: num_replicas, or autoscaling's min_replicas when only
+        that was given."""
+        if self.autoscaling is not None and "num_replicas" not in self.model_fields_set:
+            return self.autoscaling.min_replicas
+        return self.num_replicas
 
     @property
     def model_name(self) -> str:
@@ -123,6 +148,13 @@ def load_config(values: dict[str, object], names: dict[str, str] | None = None) 
         return ServeConfig.model_validate(values)
     except ValidationError as error:
         names = names or {}
-        lines = [f"  {names.get(str(e['loc'][0]), e['loc'][0]) if e['loc'] else 'config'}: "
-                 f"{e['msg']}" for e in error.errors()]
+        lines = [f"  {field_path(e['loc'], names)}: {e['msg']}" for e in error.errors()]
         raise ValueError("invalid server configuration:\n" + "\n".join(lines)) from None
+
+
+def field_path(loc: tuple[int | str, ...], names: dict[str, str]) -> str:
+    """Where a problem is: the field (renamed to its flag) and any key inside it, as
+    ``autoscaling.max_replicas``; 'config' for the whole."""
+    if not loc:
+        return "config"
+    return ".".join([names.get(str(loc[0]), str(loc[0])), *map(str, loc[1:])])

@@ -30,6 +30,10 @@ HISTOGRAMS = {  # name -> (snapshot field, help)
     "inter_token_latency_seconds": ("inter_token_latency", "Time between tokens in seconds."),
     "e2e_request_latency_seconds": ("e2e_latency", "End-to-end request latency in seconds."),
     "request_queue_time_seconds": ("queue_time", "Time from arrival to first scheduling."),
+    "step_batch_size": ("batch_sizes", "Sequences in each engine step."),
+    "request_generation_tokens_per_second": ("request_tokens_per_second", "A finished "
+                                             "request's generated tokens over its end-to-end "
+                                             "time (aborted requests left out)."),
 }
 COUNTERS = {
     "prompt_tokens": ("prompt_tokens", "Prompt tokens processed."),
@@ -63,12 +67,24 @@ ROUTER_METRICS = {  # name -> help; the router's, from its RouterStats
     "kv_event_lag_seconds": "The last KV event batch: from its engine step's end to the router.",
     "router_requests_in_flight": "Requests the router placed on each replica, not finished.",
 }
+GPU_LABELS = [*LABELS, "rank"]
+GPU_GAUGES = {  # name -> (DeviceStats field, help); from each shard's device, none on the CPU
+    "gpu_utilization": ("utilization", "Share of NVML's last sample period a kernel ran on the "
+                        "shard's GPU, 0 to 1 (no sample without NVML)."),
+    "gpu_memory_used_bytes": ("memory_used_bytes", "Memory used on the shard's GPU by every "
+                              "process, as nvidia-smi shows it."),
+    "gpu_memory_total_bytes": ("memory_total_bytes", "The shard's GPU's memory."),
+    "gpu_memory_reserved_bytes": ("memory_reserved_bytes", "Memory the shard's PyTorch "
+                                  "allocator holds: weights, KV cache, activations."),
+}
 # every name /metrics exposes (counters with their _total suffix), for docs and tests
 METRIC_NAMES = (
     [PREFIX + name for name in HISTOGRAMS]
     + [PREFIX + name + "_total" for name in [*COUNTERS, "request_success"]]
     + [PREFIX + name for name in [*GAUGES, "kv_cache_usage_perc", "prefix_cache_hit_rate"]]
     + [PREFIX + name for name in ROUTER_METRICS]
+    # on the CPU these families have no samples: /metrics shows their names only
+    + [PREFIX + name for name in GPU_GAUGES]
     # by position: no sample until a draft is accepted, so the family's name (no _total)
     + [PREFIX + "spec_decode_num_accepted_tokens_per_pos"]
 )
@@ -105,7 +121,9 @@ class ReplicaCollector(Collector):
         return []  # registering must not call the replicas
 
     def collect(self) -> Iterator[Metric]:
-        snapshots = list(enumerate(self.fetch()))
+        # a replica's own index where it has one: indices of removed replicas are never reused
+        snapshots = [(position if snap.replica is None else snap.replica, snap)
+                     for position, snap in enumerate(self.fetch())]
         labels = [[self.model_name, str(replica)] for replica, _ in snapshots]
         for name, (field, doc) in HISTOGRAMS.items():
             family = HistogramMetricFamily(PREFIX + name, doc, labels=LABELS)
@@ -136,6 +154,18 @@ class ReplicaCollector(Collector):
         for label, (_, snap) in zip(labels, snapshots, strict=True):
             hit_rate.add_metric(label, snap.prefix_cache_hits / max(snap.prefix_cache_queries, 1))
         yield hit_rate
+        yield from self._devices(labels, [snap for _, snap in snapshots])
+
+    @staticmethod
+    def _devices(labels: list[list[str]], snaps: list[MetricsSnapshot]) -> Iterator[Metric]:
+        for name, (field, doc) in GPU_GAUGES.items():
+            gauge = GaugeMetricFamily(PREFIX + name, doc, labels=GPU_LABELS)
+            for label, snap in zip(labels, snaps, strict=True):
+                for device in snap.devices:
+                    value = getattr(device, field)
+                    if value is not None:
+                        gauge.add_metric([*label, str(device.rank)], value)
+            yield gauge
 
     def _success(self, labels: list[list[str]], snaps: list[MetricsSnapshot]) -> Metric:
         family = CounterMetricFamily(PREFIX + "request_success", "Finished requests by reason.",
@@ -178,7 +208,8 @@ class RouterCollector(Collector):
                               [load.num_requests for load in stats.loads])):
             family = GaugeMetricFamily(PREFIX + name, docs[name], labels=LABELS)
             for replica, value in enumerate(values):
-                family.add_metric([self.model_name, str(replica)], value)
+                if replica not in stats.removed:  # the autoscaler took it away
+                    family.add_metric([self.model_name, str(replica)], value)
             yield family
 
 

@@ -1,0 +1,34 @@
+"""What one engine records for /metrics and the autoscaler, stepped by hand on the CPU: the
+batch-size and tokens/s histograms, no GPU stats, and the autoscaler's load sample."""
+
+from cluster import SamplingParams
+from cluster.engine.config import EngineConfig
+from cluster.engine.llm_engine import LLMEngine
+
+
+def test_steps_requests_and_the_load_sample(tiny_models):
+    engine = LLMEngine(EngineConfig(model=str(tiny_models["llama"]), device="cpu", block_size=4,
+                                    num_kv_blocks=32, max_num_batched_tokens=8))
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    engine.add_request(list(range(10, 22)), params, "a")  # 12 prompt tokens
+    engine.add_request(list(range(40, 45)), params, "b")  # 5
+    sample = engine.load_sample()
+    assert (sample.waiting_prompt_tokens, sample.running_seqs, sample.kv_usage) == (17, 0, 0.0)
+    assert sum(sample.ttft_counts) == 0
+    engine.step_deltas()  # a budget of 8: 8 of a's 12 prompt tokens
+    sample = engine.load_sample()
+    assert (sample.waiting_prompt_tokens, sample.running_seqs) == (4 + 5, 1)
+    assert sample.kv_usage == 2 / 32  # a's first 8 tokens: 2 blocks of 4
+    steps = 1
+    while engine.has_unfinished():
+        engine.step_deltas()
+        steps += 1
+    snap = engine.metrics_snapshot()
+    # five steps: three with both requests, two with one
+    assert steps == 5
+    assert snap.batch_sizes.counts[:3] == [2, 3, 0] and snap.batch_sizes.total == 8
+    assert snap.request_tokens_per_second.count == 2
+    assert snap.request_tokens_per_second.total > 0
+    assert snap.devices == () and snap.replica is None  # the CPU has no device to read
+    assert sum(engine.load_sample().ttft_counts) == 2
+    engine.shutdown()
