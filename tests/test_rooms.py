@@ -23,9 +23,12 @@ MAY_IMPORT = {
     "cluster.cli": ("cluster",) + PRODUCT,
     "cluster": PRODUCT,  # cluster/__init__.py and cluster/environment.py
 }
-# the one import against the arrows: the engine starts the Ray executor when tensor parallel
-# (lazily, inside make_executor), so that LLM(..., tensor_parallel_size=2) works offline
-ALLOWED = {("cluster/engine/llm_engine.py", "cluster.ray.ray_executor")}
+# the imports against the arrows: the engine starts the Ray executor when tensor parallel
+# (lazily, inside make_executor), so that LLM(..., tensor_parallel_size=2) works offline, and
+# the draft actor for speculative_config placement "actor" (lazily, inside _draft_actor)
+ALLOWED = {("cluster/engine/llm_engine.py", "cluster.ray.ray_executor"),
+           ("cluster/engine/llm_engine.py", "cluster.ray.draft_actor"),
+           ("cluster/engine/llm_engine.py", "cluster.ray.draft_actor.draft_actor")}
 # the edges that may call cluster/environment.py (it alone touches os.environ)
 ENVIRONMENT_CALLERS = ("cluster/cli/", "cluster/bench/", "cluster/engine/config.py",
                        "cluster/serve/config.py", "cluster/ray/shard_actor.py")
