@@ -45,6 +45,11 @@ def parse_block_file_name(name: str) -> tuple[BlockHash, int, int] | None:
     return bytes.fromhex(match[1]), int(match[3]), int(match[2])
 
 
+def file_bytes(data_bytes: int, num_tokens: int) -> int:
+    """The size of a block file holding ``data_bytes`` of KV for ``num_tokens`` tokens."""
+    return _FIXED.size + 8 * num_tokens + _CRC.size + data_bytes
+
+
 def header_bytes(block_hash: BlockHash, layout: str, token_ids: Sequence[int],
                  data: memoryview) -> bytes:
     fixed = _FIXED.pack(MAGIC, block_hash, layout.encode(), len(token_ids), data.nbytes,

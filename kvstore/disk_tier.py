@@ -27,6 +27,20 @@ log = logging.getLogger(__name__)
 STALE_TEMP_SECONDS = 600.0  # a temporary file this old was left by a process that died
 
 
+def check_directory(root: Path, directory: Path | None = None) -> None:
+    """Makes ``directory`` (``root`` by default) and writes a file there; ValueError naming
+    ``root`` when that fails, so a bad configuration stops the engine at start-up."""
+    directory = directory or root
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        probe = directory / f".probe-{os.getpid()}-{time.monotonic_ns()}{TEMP_SUFFIX}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as error:
+        raise ValueError(f"disk_kv_cache_dir '{root}' is not a writable directory "
+                         f"({error.strerror or error})") from None
+
+
 class DiskTier:
     def __init__(self, root: Path, layout: str, capacity: int, tp_size: int = 1) -> None:
         """``root``: the configured directory (checked writable here, or ValueError);
@@ -52,14 +66,7 @@ class DiskTier:
                 for rank in range(self.tp_size)]
 
     def _make_directory(self) -> None:
-        try:
-            self.directory.mkdir(parents=True, exist_ok=True)
-            probe = self.directory / f".probe-{os.getpid()}-{time.monotonic_ns()}{TEMP_SUFFIX}"
-            probe.write_bytes(b"")
-            probe.unlink()
-        except OSError as error:
-            raise ValueError(f"disk_kv_cache_dir '{self.root}' is not a writable directory "
-                             f"({error.strerror or error})") from None
+        check_directory(self.root, self.directory)
 
     def _rebuild(self) -> None:
         """Indexes the blocks whose every shard's file is there, the least recently written

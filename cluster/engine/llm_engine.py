@@ -18,6 +18,7 @@ from transformers import PretrainedConfig
 from cluster.engine.config import EngineConfig
 from cluster.engine.executor import Executor, UniExecutor
 from cluster.engine.kv_events import KVEventPublisher
+from cluster.engine.kv_tiers import TierTraffic, host_bytes_per_shard, make_tiers
 from cluster.engine.metrics import EngineMetrics, MetricsSnapshot
 from cluster.engine.output_processor import (
     CompletionTracker,
@@ -42,6 +43,7 @@ from cluster.engine.tokenizer import (
     eos_token_ids,
     load_tokenizer,
 )
+from kvstore.disk_tier import check_directory
 from kvstore.kv_cache_manager import KVCacheManager
 from router.sampling_params import SEED_END, SamplingParams
 from router.scheduler import Scheduler, SchedulerConfig
@@ -72,6 +74,8 @@ def worker_config(config: EngineConfig, folder: Path) -> WorkerConfig:
         peer_sum_kernel=config.peer_sum_kernel, cpu_threads=config.cpu_threads,
         gpu_fraction=config.gpu_fraction, draft_model_path=draft,
         num_speculative_tokens=speculation.num_speculative_tokens if draft else 0,
+        host_kv_cache_bytes=host_bytes_per_shard(config),
+        disk_kv_cache_dir=config.disk_kv_cache_dir,
     )
 
 
@@ -108,9 +112,15 @@ class LLMEngine:
         speculation = config.speculation
         if speculation is not None and speculation.model is not None:
             check_draft_model(resolve_model(speculation.model, config.cache_dir), hf_config)
+        if config.disk_kv_cache_dir is not None:  # before the model loads
+            check_directory(Path(config.disk_kv_cache_dir))
         self.executor = executor or make_executor(config, self.model_path)
         num_blocks = config.num_kv_blocks or self.executor.determine_num_kv_blocks()
-        self.executor.init_kv_cache(num_blocks)
+        offload = self.executor.init_kv_cache(num_blocks)
+        tiers = make_tiers(config, offload)
+        # a block's bytes over every shard, for the bytes-moved metrics
+        self.offload_block_bytes = offload.block_bytes * config.tensor_parallel_size \
+            if offload else 0
         self.kv_capacity = num_blocks * config.block_size
         self.model_len = config.max_model_len or hf_config.max_position_embeddings
         # a sequence must fit the cache alone, or preempting everyone else would not save it;
@@ -123,7 +133,7 @@ class LLMEngine:
         # hashes prompts with the same keys (kv_hash_keys) to find them in the directory
         self.kv_hash_keys = (config.block_size, (config.model,))
         kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
-                            extra_keys=self.kv_hash_keys[1])
+                            extra_keys=self.kv_hash_keys[1], tiers=tiers)
         self.kv_events = None if replica_index is None else KVEventPublisher(kv, replica_index)
         # a draft model proposes into the k slots after a row's tokens: they are set aside
         draft_slots = speculation.num_speculative_tokens if speculation and speculation.model else 0
@@ -240,11 +250,16 @@ class LLMEngine:
         if self.kv_events is None:
             self.scheduler.kv.take_events()  # nobody reads them: don't let them pile up
         scheduled = self.scheduler.schedule()
-        if scheduled.is_empty and not scheduled.released_ids:
+        transfers = self.scheduler.kv.take_transfers()
+        if scheduled.is_empty and not scheduled.released_ids and transfers is None and (
+                not self.scheduler.loading):
             return []
         started = time.perf_counter()
-        result = self.executor.execute(self.step_builder.build(scheduled))
+        result = self.executor.execute(self.step_builder.build(scheduled, transfers))
         seconds = time.perf_counter() - started
+        if result.transfers is not None and not result.transfers.is_empty:
+            for load in self.scheduler.apply_transfers(result.transfers).values():
+                self.metrics.kv_load_latency.observe(load.seconds)
         sampled = dict(zip(result.request_ids, result.token_ids, strict=True))
         self.metrics.batch_size = len(scheduled.scheduled)
         scheduled_seqs = {item.seq.request_id: item.seq for item in scheduled.scheduled}
@@ -355,10 +370,13 @@ class LLMEngine:
             spec_decode_num_drafts=self.metrics.spec_decode_drafts,
             spec_decode_num_draft_tokens=self.metrics.spec_decode_draft_tokens,
             spec_decode_num_accepted_tokens=self.metrics.spec_decode_accepted_tokens,
+            host_cache_hits=kv.stats.host_hits, disk_cache_hits=kv.stats.disk_hits,
         )
 
     def metrics_snapshot(self) -> MetricsSnapshot:
         m, stats = self.metrics, self.stats()
+        tiers = self.scheduler.kv.tiers
+        traffic = TierTraffic.of(tiers.counters if tiers else None, self.offload_block_bytes)
         return MetricsSnapshot(
             m.time_to_first_token.copy(), m.inter_token_latency.copy(), m.e2e_latency.copy(),
             m.queue_time.copy(), m.prompt_tokens, m.generation_tokens,
@@ -367,6 +385,9 @@ class LLMEngine:
             stats.kv_blocks_used, stats.kv_blocks_total, m.spec_decode_drafts,
             m.spec_decode_draft_tokens, m.spec_decode_accepted_tokens,
             tuple(m.spec_decode_accepted_per_position), m.spec_decode_speedup,
+            host_cache_hits=stats.host_cache_hits, disk_cache_hits=stats.disk_cache_hits,
+            kv_offloaded_bytes=traffic.offloaded, kv_loaded_bytes=traffic.loaded,
+            kv_load_latency=m.kv_load_latency.copy(),
         )
 
     def shutdown(self) -> None:

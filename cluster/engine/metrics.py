@@ -12,6 +12,9 @@ TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75
                 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
                7.5, 10.0, 20.0, 40.0, 80.0)
+# loads of a prefix from the host tier or disk: a few blocks over PCIe, up to many from disk
+KV_LOAD_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+                   5.0, 10.0)
 LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
                    60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 
@@ -58,6 +61,11 @@ class MetricsSnapshot:
     spec_decode_accepted_tokens: int = 0
     spec_decode_accepted_per_position: tuple[int, ...] = ()  # kept drafts by their place
     spec_decode_speedup: float = 1.0  # EngineMetrics.spec_decode_speedup
+    host_cache_hits: int = 0  # of prefix_cache_hits, found in the host tier
+    disk_cache_hits: int = 0  # and on disk
+    kv_offloaded_bytes: dict[str, int] = field(default_factory=dict)  # tier -> bytes into it
+    kv_loaded_bytes: dict[str, int] = field(default_factory=dict)  # tier -> bytes out of it
+    kv_load_latency: Histogram = field(default_factory=lambda: Histogram(KV_LOAD_BUCKETS))
 
 
 @dataclass
@@ -76,6 +84,8 @@ class EngineMetrics:
     spec_decode_accepted_per_position: list[int] = field(default_factory=list)
     spec_decode_verify_seconds: float = 0.0  # the steps that verified drafts
     spec_decode_plain_seconds: float = 0.0  # plain steps' estimated time for the same tokens
+    # from a load's start (host tier or disk to the device) to the workers' report of it
+    kv_load_latency: Histogram = field(default_factory=lambda: Histogram(KV_LOAD_BUCKETS))
 
     @property
     def spec_decode_speedup(self) -> float:
