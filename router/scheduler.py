@@ -214,8 +214,10 @@ class Scheduler:
         cached and then hit them. A skipped sequence keeps its place in the queue."""
         in_flight = self._in_flight_hashes()
         index = 0
+        # a loading sequence runs as soon as its blocks land: it holds a place, or the blocks
+        # of loads beyond the places would wait on the device, be evicted, and load again
         while index < len(self.waiting) and budget > 0 and (
-            len(self.running) < self.config.max_num_seqs
+            len(self.running) + len(self.loading) < self.config.max_num_seqs
         ):
             seq = self.waiting[index]
             hits, num_cached = self.kv.get_computed_blocks(
@@ -282,10 +284,11 @@ class Scheduler:
             self.kv.finish_load(request_id, seq.token_ids, num_loaded)
             self.kv.free(request_id)
             result = results.get(request_id)
-            if result is not None:
+            if result is not None:  # a sequence may load twice (the first load was cut short)
                 size = self.kv.block_size
-                self._loaded_tokens[request_id] = (result.num_host_blocks * size,
-                                                   result.num_disk_blocks * size)
+                host, disk = self._loaded_tokens.get(request_id, (0, 0))
+                self._loaded_tokens[request_id] = (host + result.num_host_blocks * size,
+                                                   disk + result.num_disk_blocks * size)
             self.waiting.appendleft(seq)
         return results
 

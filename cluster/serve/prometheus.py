@@ -30,6 +30,8 @@ HISTOGRAMS = {  # name -> (snapshot field, help)
     "inter_token_latency_seconds": ("inter_token_latency", "Time between tokens in seconds."),
     "e2e_request_latency_seconds": ("e2e_latency", "End-to-end request latency in seconds."),
     "request_queue_time_seconds": ("queue_time", "Time from arrival to first scheduling."),
+    "kv_load_latency_seconds": ("kv_load_latency", "Loads of a prefix from the host or disk "
+                                "KV tier: from their start to their blocks on the device."),
 }
 COUNTERS = {
     "prompt_tokens": ("prompt_tokens", "Prompt tokens processed."),
@@ -37,10 +39,16 @@ COUNTERS = {
     "num_preemptions": ("preemptions", "Sequences preempted."),
     "prefix_cache_queries": ("prefix_cache_queries", "Prompt tokens looked up in the prefix "
                              "cache."),
-    "prefix_cache_hits": ("prefix_cache_hits", "Prompt tokens found in the prefix cache."),
     "spec_decode_num_drafts": ("spec_decode_drafts", "Speculative drafting steps."),
     "spec_decode_num_draft_tokens": ("spec_decode_draft_tokens", "Draft tokens proposed."),
     "spec_decode_num_accepted_tokens": ("spec_decode_accepted_tokens", "Draft tokens accepted."),
+}
+TIERS = ("gpu", "host", "disk")  # where a prefix-cache hit was found
+TIER_COUNTERS = {  # name -> (snapshot field: tier -> bytes, help), labelled by tier
+    "kv_offload_bytes": ("kv_offloaded_bytes", "KV bytes copied into a tier: host (from the "
+                         "device), disk (from the host)."),
+    "kv_load_bytes": ("kv_loaded_bytes", "KV bytes copied out of a tier: host (to the "
+                      "device), disk (to the host)."),
 }
 GAUGES = {
     "num_requests_running": ("num_running", "Requests in the running batch."),
@@ -66,7 +74,8 @@ ROUTER_METRICS = {  # name -> help; the router's, from its RouterStats
 # every name /metrics exposes (counters with their _total suffix), for docs and tests
 METRIC_NAMES = (
     [PREFIX + name for name in HISTOGRAMS]
-    + [PREFIX + name + "_total" for name in [*COUNTERS, "request_success"]]
+    + [PREFIX + name + "_total" for name in [*COUNTERS, "request_success", "prefix_cache_hits",
+                                             *TIER_COUNTERS]]
     + [PREFIX + name for name in [*GAUGES, "kv_cache_usage_perc", "prefix_cache_hit_rate"]]
     + [PREFIX + name for name in ROUTER_METRICS]
     # by position: no sample until a draft is accepted, so the family's name (no _total)
@@ -118,6 +127,14 @@ class ReplicaCollector(Collector):
             for label, (_, snap) in zip(labels, snapshots, strict=True):
                 counter.add_metric(label, getattr(snap, field))
             yield counter
+        yield self._hits_by_tier(labels, [snap for _, snap in snapshots])
+        for name, (field, doc) in TIER_COUNTERS.items():
+            by_tier = CounterMetricFamily(PREFIX + name, doc, labels=[*LABELS, "tier"])
+            for label, (_, snap) in zip(labels, snapshots, strict=True):
+                moved: dict[str, int] = getattr(snap, field)
+                for tier in ("host", "disk"):
+                    by_tier.add_metric([*label, tier], moved.get(tier, 0))
+            yield by_tier
         yield self._success(labels, [snap for _, snap in snapshots])
         yield self._accepted_per_position(labels, [snap for _, snap in snapshots])
         for name, (field, doc) in GAUGES.items():
@@ -136,6 +153,19 @@ class ReplicaCollector(Collector):
         for label, (_, snap) in zip(labels, snapshots, strict=True):
             hit_rate.add_metric(label, snap.prefix_cache_hits / max(snap.prefix_cache_queries, 1))
         yield hit_rate
+
+    @staticmethod
+    def _hits_by_tier(labels: list[list[str]], snaps: list[MetricsSnapshot]) -> Metric:
+        """Prompt tokens found cached, by where: the device's cache, the host tier, disk."""
+        family = CounterMetricFamily(PREFIX + "prefix_cache_hits", "Prompt tokens found in "
+                                     "the prefix cache, by the tier that held them.",
+                                     labels=[*LABELS, "tier"])
+        for label, snap in zip(labels, snaps, strict=True):
+            gpu = snap.prefix_cache_hits - snap.host_cache_hits - snap.disk_cache_hits
+            for tier, hits in zip(TIERS, (gpu, snap.host_cache_hits, snap.disk_cache_hits),
+                                  strict=True):
+                family.add_metric([*label, tier], hits)
+        return family
 
     def _success(self, labels: list[list[str]], snaps: list[MetricsSnapshot]) -> Metric:
         family = CounterMetricFamily(PREFIX + "request_success", "Finished requests by reason.",
