@@ -16,9 +16,11 @@ copy's event (the GPU waits, not the host), and only when a copy is still in fli
   same step the load may lag behind the driver's, which reported it done).
 
 The host itself waits for a copy only to read or write a slot by CPU (a file to or from it).
-On the CPU every copy is a plain synchronous tensor copy and nothing is ever in flight.
+On the CPU the same code runs with plain tensors: every copy is done when it returns, and
+nothing is ever in flight.
 """
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -116,12 +118,11 @@ class KVOffloader:
         self.host = torch.empty((num_slots, self.layout.block_bytes), dtype=torch.uint8,
                                 pin_memory=self.on_gpu)
         self.host_views = self.layout.views(self.host, tensors)
-        self.stream: torch.cuda.Stream | None = None
-        if self.on_gpu:
-            self.stream = torch.cuda.Stream(self.device)
-            stage = torch.empty((STAGE_BLOCKS, self.layout.block_bytes), dtype=torch.uint8,
-                                device=self.device)
-            self.stage, self.stage_views = stage, self.layout.views(stage, tensors)
+        self.stream = torch.cuda.Stream(self.device) if self.on_gpu else None
+        # batches of blocks pass through here, contiguous, on their way to or from the slots
+        self.stage = torch.empty((STAGE_BLOCKS, self.layout.block_bytes), dtype=torch.uint8,
+                                 device=self.device)
+        self.stage_views = self.layout.views(self.stage, tensors)
         self.directory = Path(disk_dir) / self.layout.tag if disk_dir else None
         self.disk_failed = False  # a write failed: no more disk copies from this shard
         self.batches: deque[_Batch] = deque()  # in flight, oldest first (one stream: FIFO)
@@ -175,67 +176,69 @@ class KVOffloader:
     # -- device <-> host ------------------------------------------------------------------
 
     def _store(self, pairs: list[tuple[int, int]]) -> None:
-        """(device block, host slot) copies, device to host."""
+        """(device block, host slot) copies, device to host, in batches through the staging
+        buffer: one gather per cache tensor, then one copy per run of consecutive slots."""
         pairs = sorted(pairs, key=lambda pair: pair[1])
-        for start in range(0, len(pairs), STAGE_BLOCKS if self.on_gpu else len(pairs) or 1):
-            chunk = pairs[start:start + STAGE_BLOCKS] if self.on_gpu else pairs
+        for start in range(0, len(pairs), STAGE_BLOCKS):
+            chunk = pairs[start:start + STAGE_BLOCKS]
             blocks, slots = [b for b, _ in chunk], [s for _, s in chunk]
-            if not self.on_gpu:
-                block_index, slot_index = torch.tensor(blocks), torch.tensor(slots)
-                for view, tensor in zip(self.host_views, self.tensors, strict=True):
-                    view[slot_index] = tensor[block_index]
-                continue
-            assert self.stream is not None and self._step_start is not None
-            with torch.cuda.stream(self.stream):
-                self.stream.wait_event(self._step_start)
+            n = len(chunk)
+            with self._on_copy_stream():
                 block_index = self._to_device(blocks)
-                n = len(chunk)
                 torch.cat([t.index_select(0, block_index).view(n, -1).view(torch.uint8)
                            for t in self.tensors], dim=1, out=self.stage[:n])
                 for slot, row, count in _runs(slots):
                     self.host[slot:slot + count].copy_(self.stage[row:row + count],
                                                        non_blocking=True)
-                self._record(_Batch(torch.cuda.Event(), stores_from=set(blocks),
-                                    slots=set(slots)))
+                self._record(stores_from=set(blocks), slots=set(slots))
 
     def _load(self, load: BlockLoad, failed_slots: set[int]) -> None:
-        """Host slots to device blocks, up to the first slot whose file was refused."""
+        """Host slots to device blocks, up to the first slot whose file was refused: one copy
+        per run of consecutive slots into the staging buffer, one scatter per cache tensor."""
         num_ok = next((i for i, slot in enumerate(load.host_slots) if slot in failed_slots),
                       len(load.host_slots))
         pairs = sorted(zip(load.host_slots[:num_ok], load.block_ids[:num_ok], strict=True))
         event = None
-        for start in range(0, len(pairs), STAGE_BLOCKS if self.on_gpu else len(pairs) or 1):
-            chunk = pairs[start:start + STAGE_BLOCKS] if self.on_gpu else pairs
+        for start in range(0, len(pairs), STAGE_BLOCKS):
+            chunk = pairs[start:start + STAGE_BLOCKS]
             slots, blocks = [s for s, _ in chunk], [b for _, b in chunk]
-            if not self.on_gpu:
-                block_index, slot_index = torch.tensor(blocks), torch.tensor(slots)
-                for view, tensor in zip(self.host_views, self.tensors, strict=True):
-                    tensor[block_index] = view[slot_index]
-                continue
-            assert self.stream is not None and self._step_start is not None
-            with torch.cuda.stream(self.stream):
-                self.stream.wait_event(self._step_start)
-                n = len(chunk)
+            n = len(chunk)
+            with self._on_copy_stream():
                 for slot, row, count in _runs(slots):
                     self.stage[row:row + count].copy_(self.host[slot:slot + count],
                                                       non_blocking=True)
                 block_index = self._to_device(blocks)
                 for view, tensor in zip(self.stage_views, self.tensors, strict=True):
                     tensor.index_copy_(0, block_index, view[:n])
-                batch = _Batch(torch.cuda.Event(), loads_into=set(blocks), slots=set(slots))
-                self._record(batch)
-                event = batch.event
+                event = self._record(loads_into=set(blocks), slots=set(slots))
         self.pending_loads.append(_PendingLoad(load.request_id, num_ok, event))
+
+    def _on_copy_stream(self) -> contextlib.AbstractContextManager[object]:
+        """The copy stream, behind what the compute stream queued before this step (on the
+        CPU: nothing, every copy is done when it returns)."""
+        if self.stream is None:
+            return contextlib.nullcontext()
+        assert self._step_start is not None
+        self.stream.wait_event(self._step_start)
+        return torch.cuda.stream(self.stream)
 
     def _to_device(self, ids: list[int]) -> torch.Tensor:
         """Block ids on the device without a host wait (a pinned, asynchronous copy)."""
-        return torch.tensor(ids, dtype=torch.int64).pin_memory().to(self.device,
-                                                                    non_blocking=True)
+        index = torch.tensor(ids, dtype=torch.int64)
+        if not self.on_gpu:
+            return index
+        return index.pin_memory().to(self.device, non_blocking=True)
 
-    def _record(self, batch: _Batch) -> None:
-        assert self.stream is not None
+    def _record(self, loads_into: set[int] | None = None, stores_from: set[int] | None = None,
+                slots: set[int] | None = None) -> "torch.cuda.Event | None":
+        """Marks the copies queued so far (on a GPU; None on the CPU, where they are done)."""
+        if self.stream is None:
+            return None
+        batch = _Batch(torch.cuda.Event(), loads_into or set(), stores_from or set(),
+                       slots or set())
         batch.event.record(self.stream)
         self.batches.append(batch)
+        return batch.event
 
     def _retire(self) -> None:
         while self.batches and self.batches[0].event.query():

@@ -9,7 +9,7 @@ from kvstore.block_file import block_file_name
 from kvstore.block_hash import hash_block_tokens
 from kvstore.transfers import BlockLoad, DiskRead, DiskWrite, KVTransfers
 from tests.workers.gloo_group import gloo_group
-from workers.kv_offload import BlockLayout, KVOffloader, layer_tensors
+from workers.kv_offload import STAGE_BLOCKS, BlockLayout, KVOffloader, layer_tensors
 from workers.layers.parallel import TensorParallelGroup
 
 NUM_BLOCKS, BLOCK_SIZE, HEADS, DIM = 8, 4, 2, 8
@@ -80,6 +80,26 @@ def test_device_to_host_to_device_is_bit_exact_for_every_cache_dtype():
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         round_trip_through_the_host(caches(dtype, seed=1))
     round_trip_through_the_host(caches(torch.int8, seed=2, scales=True))
+
+
+def test_more_blocks_than_a_staging_batch_in_scattered_slots_round_trip_exactly():
+    generator = torch.Generator().manual_seed(5)
+    tensors = [torch.randn((80, BLOCK_SIZE, HEADS, DIM), generator=generator).to(torch.bfloat16)
+               for _ in range(4)]
+    offloader = KVOffloader(tensors, num_slots=48, disk_dir=None, tp=TensorParallelGroup.single())
+    assert STAGE_BLOCKS < 40
+    blocks = list(range(0, 80, 2))  # 40 blocks, more than one batch
+    slots = list(range(40, 48)) + list(range(31, -1, -1))  # runs up, and slots in reverse
+    originals = blocks_of(tensors, blocks)
+    step(offloader, KVTransfers(stores=list(zip(blocks, slots, strict=True))))
+    for t in tensors:
+        t.zero_()
+    targets = list(range(79, 39, -1))
+    assert step(offloader, KVTransfers(loads=[BlockLoad("r", slots, targets)])).loaded == {
+        "r": 40}
+    assert all(torch.equal(a, b) for a, b in zip(originals, blocks_of(tensors, targets),
+                                                 strict=True))
+    assert all(not bits(t[:40]).any() for t in tensors)  # nothing else was written
 
 
 def test_device_to_host_to_disk_and_back_is_bit_exact(tmp_path):
