@@ -168,6 +168,27 @@ def test_a_disk_that_fails_mid_run_switches_its_tier_off_once_and_serving_goes_o
     assert not disk.enabled and hits(llm)[2] == 0
 
 
+@pytest.mark.ray
+def test_two_shards_keep_their_own_slots_and_files(ray_session, model, expected, tmp_path):
+    # each shard's block is half the size: the same 16 slots in half the host memory per shard
+    llm = engine(model, tensor_parallel_size=2, host_kv_cache_gb=gib(16),
+                 disk_kv_cache_dir=str(tmp_path))
+    try:
+        assert llm.engine.scheduler.kv.tiers.host.num_slots == 16
+        assert generate(llm) == expected
+        llm.engine.scheduler.kv.reset_prefix_cache()
+        before = hits(llm)
+        assert generate(llm, reverse=True) == expected
+        found, host, disk = (a - b for a, b in zip(hits(llm), before, strict=True))
+        assert found == host + disk == FINDABLE and host > 0 and disk > 0
+        tier = llm.engine.scheduler.kv.tiers.disk
+        names = {p.name for p in tier.directory.iterdir()}
+        assert names == {block_file_name(h, rank, 2) for h in tier.index.entries
+                         for rank in range(2)}
+    finally:
+        llm.engine.shutdown()
+
+
 @pytest.mark.parametrize(("options", "message"), [
     ({"host_kv_cache_gb": -1.0}, "host_kv_cache_gb must be >= 0 (0: off), got -1.0"),
     ({"host_kv_cache_gb": 1.0, "disk_kv_cache_dir": "/tmp/x", "disk_kv_cache_gb": -2.0},
