@@ -8,6 +8,10 @@ A request's KV lives in a list of blocks; token t sits in row ``t % block_size``
 
 ``allocate_slots`` returns ``None`` when the pool is short. That is mechanism, not policy: the
 scheduler then decides whom to preempt.
+
+With offload tiers (``tiers.py``) the prefix match goes on below the device pool: blocks found
+in the host tier or on disk are loaded into freshly allocated device blocks while the request
+waits (``start_load``), and join the prefix cache when they arrive (``finish_load``).
 """
 
 from collections.abc import Sequence
@@ -16,16 +20,23 @@ from dataclasses import dataclass
 from kvstore.block_hash import BlockHash, ExtraKeys, hash_full_blocks
 from kvstore.block_pool import BlockPool, KVBlock
 from kvstore.events import KVEvent
+from kvstore.tiers import LoadResult, OffloadHits, TierManager
+from kvstore.transfers import KVTransfers, TransferReport
 
 
 @dataclass
 class PrefixCacheStats:
     queries: int = 0  # prompt tokens looked up
-    hits: int = 0  # of which were found cached
+    hits: int = 0  # of which were found cached, in any tier
+    host_hits: int = 0  # of those, found in the host tier
+    disk_hits: int = 0  # and on disk
 
-    def record(self, num_queried: int, num_hit: int) -> None:
+    def record(self, num_queried: int, num_hit: int, num_host: int = 0,
+               num_disk: int = 0) -> None:
         self.queries += num_queried
         self.hits += num_hit
+        self.host_hits += num_host
+        self.disk_hits += num_disk
 
 
 class KVCacheManager:
@@ -35,6 +46,7 @@ class KVCacheManager:
         block_size: int,
         enable_prefix_caching: bool = True,
         extra_keys: ExtraKeys = (),
+        tiers: TierManager | None = None,
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be at least 1, got {block_size}")
@@ -42,6 +54,7 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.extra_keys = extra_keys
         self.pool = BlockPool(num_blocks)
+        self.tiers = tiers if enable_prefix_caching else None  # tiers find blocks by hash
         self.stats = PrefixCacheStats()
         self.req_blocks: dict[str, list[KVBlock]] = {}
         self.req_hashes: dict[str, list[BlockHash]] = {}
@@ -49,6 +62,7 @@ class KVCacheManager:
         # leading blocks of each request already registered in the cache: caching resumes
         # there, so a decode step that fills no block costs O(1)
         self.req_num_cached: dict[str, int] = {}
+        self.req_load_first: dict[str, int] = {}  # a load's first block, while it is under way
 
     @property
     def num_blocks(self) -> int:
@@ -149,19 +163,73 @@ class KVCacheManager:
                 parent = hashes[index - 1] if index else None
                 tokens = token_ids[start : start + self.block_size]
                 self.pool.cache(block, hashes[index], parent, tokens)
+                if self.tiers is not None and block.block_hash == hashes[index]:
+                    self.tiers.on_cached(block)  # write-through
         self.req_num_cached[request_id] = num_full
 
     def uncached_hashes(self, request_id: str) -> list[BlockHash]:
         """Hashes of the request's known full blocks that it has not cached yet."""
         return self.req_hashes.get(request_id, [])[self.req_num_cached.get(request_id, 0) :]
 
+    # -- the tiers below the device pool ------------------------------------------------------
+
+    def find_offloaded(self, request_id: str, token_ids: Sequence[int],
+                       num_device_hits: int) -> OffloadHits | None:
+        """The blocks after the device hits (``get_computed_blocks``, just called) that the
+        host tier or disk holds, contiguously; None when there are none."""
+        if self.tiers is None:
+            return None
+        max_blocks = (len(token_ids) - 1) // self.block_size  # the last token is computed
+        hashes = self.req_hashes.get(request_id, [])
+        hits = self.tiers.find(hashes, token_ids, num_device_hits, max_blocks)
+        return hits if hits.num_blocks else None
+
+    def start_load(self, request_id: str, token_ids: Sequence[int], hits: OffloadHits) -> int:
+        """Plans the load of ``hits`` into the request's blocks from ``hits.first`` on
+        (``allocate_slots`` made them); returns how many blocks it loads."""
+        assert self.tiers is not None
+        stop = hits.first + hits.num_blocks
+        size = self.block_size
+        blocks = self.req_blocks[request_id][hits.first:stop]
+        self.req_load_first[request_id] = hits.first
+        return self.tiers.start_load(
+            request_id, self.req_hashes[request_id][hits.first:stop],
+            [token_ids[i * size:(i + 1) * size] for i in range(hits.first, stop)], hits.tiers,
+            [block.block_id for block in blocks])
+
+    def finish_load(self, request_id: str, token_ids: Sequence[int], num_loaded: int) -> int:
+        """The load arrived with its first ``num_loaded`` blocks intact: those and the device
+        hits before them join the prefix cache. Returns how many tokens they cover."""
+        num_tokens = (self.req_load_first.pop(request_id) + num_loaded) * self.block_size
+        self.cache_blocks(request_id, token_ids, num_tokens)
+        return num_tokens
+
+    def apply_transfers(self, report: TransferReport) -> dict[str, LoadResult]:
+        """The workers' report; the loads it finishes, by request id."""
+        return {} if self.tiers is None else self.tiers.apply(report)
+
+    def loading_hashes(self) -> set[BlockHash]:
+        return set() if self.tiers is None else self.tiers.loading_hashes()
+
+    def take_transfers(self) -> KVTransfers | None:
+        """The copies between tiers the next step message carries."""
+        return None if self.tiers is None else self.tiers.take(self.pool)
+
+    def swap_out(self, request_id: str) -> None:
+        """A preempted request's cached blocks go to the host tier (most are there already)."""
+        if self.tiers is not None:
+            self.tiers.swap_out(self.req_blocks.get(request_id, []))
+
     def free(self, request_id: str) -> None:
         """Release a request's blocks, tail first; a no-op for unknown requests."""
+        if self.tiers is not None:
+            self.tiers.cancel_load(request_id)
         blocks = self.req_blocks.pop(request_id, [])
         self.pool.free(reversed(blocks))
         self.req_hashes.pop(request_id, None)
         self.req_salt.pop(request_id, None)
         self.req_num_cached.pop(request_id, None)
+        self.req_load_first.pop(request_id, None)
 
     def reset_prefix_cache(self) -> int:
         return self.pool.reset_prefix_cache()
@@ -188,6 +256,8 @@ class KVCacheManager:
 
     def check_integrity(self) -> None:
         self.pool.check_integrity()
+        if self.tiers is not None:
+            self.tiers.check_integrity()
         references: dict[int, int] = {}
         for blocks in self.req_blocks.values():
             for block in blocks:

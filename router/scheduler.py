@@ -4,7 +4,15 @@ Each step fills a token budget: running sequences first (oldest first), then wai
 (first come, first served). A sequence gets as many of its missing tokens as the budget allows,
 so a long prompt is prefilled in chunks mixed with the decodes of other sequences. When the KV
 pool is short, the newest running sequence is preempted by recompute: its blocks are freed and
-it waits at the head of the queue to be prefilled again (its generated tokens kept).
+it waits at the head of the queue to be prefilled again (its generated tokens kept). With a
+host tier, its blocks are also in host memory (written through as they filled, the few missing
+copied at preemption), so it resumes by loading them rather than recomputing: swap preemption.
+
+A waiting sequence whose prefix goes on past the device's prefix cache into the host tier or
+disk first loads those blocks: it leaves the queue while they are copied into device blocks
+(``loading``), the others run, and it comes back to the head of the queue when the workers
+report them landed; they are then ordinary prefix hits. Blocks that failed to load are
+recomputed.
 
 When every running sequence is decoding and nobody waits, one call to the workers may run
 several decode steps back to back (``decode_steps``): the device feeds each step the tokens of
@@ -28,7 +36,10 @@ from collections.abc import Mapping
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
+from kvstore.block_pool import KVBlock
 from kvstore.kv_cache_manager import KVCacheManager
+from kvstore.tiers import LoadResult, OffloadHits
+from kvstore.transfers import TransferReport
 from router.prefill_delay import PrefillDelay
 from router.sequence import FinishReason, Sequence, SequenceStatus
 
@@ -89,12 +100,16 @@ class Scheduler:
         self._known_to_workers: set[str] = set()
         self._released: list[str] = []
         self.prefill_delay = PrefillDelay(config.scheduler_delay_factor)
+        self.loading: dict[str, Sequence] = {}  # waiting for blocks from the host tier or disk
+        # tokens a sequence's load brought from the host tier and disk, counted as prefix hits
+        # of those tiers when it is admitted
+        self._loaded_tokens: dict[str, tuple[int, int]] = {}
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.loading)
 
     def schedule(self) -> SchedulerOutput:
         output = SchedulerOutput()
@@ -199,8 +214,10 @@ class Scheduler:
         cached and then hit them. A skipped sequence keeps its place in the queue."""
         in_flight = self._in_flight_hashes()
         index = 0
+        # a loading sequence runs as soon as its blocks land: it holds a place, or the blocks
+        # of loads beyond the places would wait on the device, be evicted, and load again
         while index < len(self.waiting) and budget > 0 and (
-            len(self.running) < self.config.max_num_seqs
+            len(self.running) + len(self.loading) < self.config.max_num_seqs
         ):
             seq = self.waiting[index]
             hits, num_cached = self.kv.get_computed_blocks(
@@ -209,6 +226,18 @@ class Scheduler:
             if self._waits_for_prefix(seq, len(hits), in_flight):
                 index += 1
                 continue
+            below = self.kv.find_offloaded(seq.request_id, seq.token_ids, len(hits))
+            if below is not None:
+                loads = self._start_load(seq, hits, num_cached, below)
+                if loads is None:
+                    break  # no room for its blocks: memory is short
+                if loads:
+                    del self.waiting[index]
+                    if in_flight is not None:
+                        in_flight.update(self.kv.uncached_hashes(seq.request_id))
+                    continue
+                hits, num_cached = self.kv.get_computed_blocks(  # nothing loadable after all
+                    seq.request_id, seq.token_ids, seq.params.cache_salt)
             num_new = self._num_new_tokens(seq, num_cached, budget)
             if num_new < seq.num_tokens - num_cached and not self.config.enable_chunked_prefill:
                 break  # the whole prompt waits for a step with room for it (first come first)
@@ -218,7 +247,9 @@ class Scheduler:
             )
             if blocks is None:
                 break
-            self.kv.stats.record(seq.num_tokens, num_cached)
+            host, disk = self._loaded_tokens.pop(seq.request_id, (0, 0))
+            host = min(host, num_cached)  # what a load brought and is still cached
+            self.kv.stats.record(seq.num_tokens, num_cached, host, min(disk, num_cached - host))
             del self.waiting[index]
             self._admit(seq, num_cached)
             block_ids = self.kv.block_ids(seq.request_id)
@@ -226,6 +257,40 @@ class Scheduler:
             budget -= num_new
             if in_flight is not None:
                 in_flight.update(self.kv.uncached_hashes(seq.request_id))
+
+    def _start_load(self, seq: Sequence, hits: list[KVBlock], num_cached: int,
+                    below: OffloadHits) -> int | None:
+        """Device blocks for the prefix found below the pool, and their load; how many blocks
+        it loads (0: none after all, its blocks are freed again), None when they do not fit."""
+        num_tokens = below.num_blocks * self.kv.block_size
+        if self.kv.allocate_slots(seq.request_id, num_cached, num_tokens, hits) is None:
+            return None
+        count = self.kv.start_load(seq.request_id, seq.token_ids, below)
+        if count:
+            self.loading[seq.request_id] = seq
+        else:
+            self.kv.free(seq.request_id)
+        return count
+
+    def apply_transfers(self, report: TransferReport) -> dict[str, LoadResult]:
+        """The workers' report of KV copies: each sequence whose load landed has its blocks
+        cached (those that arrived intact), frees them, and goes back to the head of the queue,
+        where it finds them as prefix hits. Returns the finished loads' results."""
+        results = self.kv.apply_transfers(report)
+        for request_id, num_loaded in report.loaded.items():
+            seq = self.loading.pop(request_id, None)
+            if seq is None:
+                continue  # aborted while it loaded
+            self.kv.finish_load(request_id, seq.token_ids, num_loaded)
+            self.kv.free(request_id)
+            result = results.get(request_id)
+            if result is not None:  # a sequence may load twice (the first load was cut short)
+                size = self.kv.block_size
+                host, disk = self._loaded_tokens.get(request_id, (0, 0))
+                self._loaded_tokens[request_id] = (host + result.num_host_blocks * size,
+                                                   disk + result.num_disk_blocks * size)
+            self.waiting.appendleft(seq)
+        return results
 
     def _admit(self, seq: Sequence, num_cached: int) -> None:
         seq.num_computed_tokens = num_cached
@@ -244,7 +309,7 @@ class Scheduler:
         """
         if not self.kv.enable_prefix_caching or not self.waiting:
             return None
-        in_flight: set[bytes] = set()
+        in_flight: set[bytes] = self.kv.loading_hashes() if self.loading else set()
         for seq in self.running:
             if seq.num_computed_tokens < seq.num_prompt_tokens:
                 in_flight.update(self.kv.uncached_hashes(seq.request_id))
@@ -333,6 +398,10 @@ class Scheduler:
         return seq
 
     def _remove(self, request_id: str) -> Sequence | None:
+        seq = self.loading.pop(request_id, None)
+        if seq is not None:
+            return seq
+        self._loaded_tokens.pop(request_id, None)
         for queue in (self.running, self.waiting):
             for seq in queue:
                 if seq.request_id == request_id:
@@ -342,6 +411,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         seq.spec_token_ids = []
+        self.kv.swap_out(seq.request_id)
         self.kv.free(seq.request_id)
         self._forget(seq.request_id)
         seq.status = SequenceStatus.WAITING

@@ -7,6 +7,7 @@ and newly allocated blocks (``ScheduledRequest``).
 
 from dataclasses import dataclass, field
 
+from kvstore.transfers import KVTransfers, TransferReport
 from workers.sampler import SamplingSpec
 
 
@@ -44,6 +45,8 @@ class StepInput:
     # with num_steps > 1: run the next call's first step too, into the slot allocated after
     # this call's (router/scheduler.py); kept for the next call if it continues from there
     lookahead: bool = False
+    # copies between the device cache and the host and disk tiers, around this step's forward
+    transfers: KVTransfers | None = None
 
 
 TokenLogprobs = list[tuple[int, float]]  # [(token_id, logprob), ...]: sampled token, then top-n
@@ -60,3 +63,5 @@ class StepOutput:
     logprobs: list[list[TokenLogprobs]] | None = None  # per row, per token
     # a draft model's proposals for each row's next step (speculative decoding), if it has one
     draft_token_ids: list[list[int]] | None = None
+    # the KV copies between tiers finished since the last step (loads landed, failures)
+    transfers: TransferReport | None = None

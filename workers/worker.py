@@ -22,6 +22,7 @@ from workers.input_batch import (
     to_device,
 )
 from workers.kv_cache import KVCaches, allocate_kv_caches, kv_bytes_per_block, resolve_kv_format
+from workers.kv_offload import KVOffloader, OffloadInfo, layer_tensors
 from workers.layers.parallel import TensorParallelGroup
 from workers.loader import load_model
 from workers.pending import Lookahead, PendingRead, copied_event, to_host
@@ -59,6 +60,8 @@ class WorkerConfig:
     max_model_len: int | None = None  # the longest sequence; None: the model's own length
     draft_model_path: str | None = None  # speculative decoding's draft model, beside the target
     num_speculative_tokens: int = 0  # drafts it proposes a row
+    host_kv_cache_bytes: int = 0  # this shard's host buffer for offloaded KV blocks; 0: none
+    disk_kv_cache_dir: str | None = None  # block files below the host buffer (needs one)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -100,6 +103,7 @@ class Worker:
         self.sampler = Sampler(generator)
         self.states: dict[str, RequestState] = {}
         self.kv_caches: KVCaches = []
+        self.offloader: KVOffloader | None = None  # copies to and from the host and disk tiers
         self.graphs = None  # DecodeGraphs once captured (GPU, Triton; every rank or none)
         self.lookahead: Lookahead | None = None  # the next call's first step, already run
         self.draft = None  # DraftModel: it must see every step (so one step a call), eagerly
@@ -161,10 +165,23 @@ class Worker:
         torch.cuda.empty_cache()
         return peak
 
-    def init_kv_cache(self, num_blocks: int) -> None:
-        """Allocates the cache, then captures the decode graphs that read it."""
+    def init_kv_cache(self, num_blocks: int) -> OffloadInfo | None:
+        """Allocates the cache (and the host buffer for offloaded blocks, if asked), then
+        captures the decode graphs that read it. Returns the host buffer's shape, if any."""
         self._use_device()
         self._allocate_kv_cache(num_blocks)
+        self.offloader = None
+        if self.config.host_kv_cache_bytes:
+            tensors = layer_tensors(self.kv_caches)
+            if self.draft is not None:  # its K/V rides with the target's, block for block
+                tensors += layer_tensors(self.draft.kv_caches)
+            block_bytes = sum(t[0].numel() * t.element_size() for t in tensors)
+            num_slots = self.config.host_kv_cache_bytes // block_bytes
+            if num_slots < 1:
+                raise ValueError(f"host_kv_cache_gb holds no KV block: one takes "
+                                 f"{block_bytes} bytes a shard")
+            self.offloader = KVOffloader(tensors, num_slots, self.config.disk_kv_cache_dir,
+                                         self.tp)
         # what the engine admits: no sequence outgrows its length or the cache
         model_len = self.config.max_model_len or self.hf_config.max_position_embeddings
         max_model_len = min(model_len, num_blocks * self.config.block_size)
@@ -184,6 +201,7 @@ class Worker:
         # a worker's start-up ends here: in a process of its own (a Ray actor) nothing else
         # freezes its model and graphs (workers/gc_freeze.py)
         freeze_start_up_objects()
+        return None if self.offloader is None else self.offloader.info
 
     def _allocate_kv_cache(self, num_blocks: int) -> None:
         self.graphs = None  # graphs hold the old cache's addresses
@@ -196,9 +214,38 @@ class Worker:
 
     @torch.inference_mode()
     def execute(self, step: StepInput) -> StepOutput | None:
-        """Runs one step (``num_steps`` decode steps when asked); the driver (rank 0) returns
-        the sampled tokens, other ranks None."""
+        """Runs one step (``num_steps`` decode steps when asked), with the copies between KV
+        tiers it carries around it; the driver (rank 0) returns the sampled tokens and what
+        the copies finished, other ranks None."""
         self._use_device()
+        offloader = self.offloader
+        if offloader is None:
+            if step.transfers is not None:
+                raise ValueError("a step carries KV copies, but this worker has no host buffer")
+            return self._execute(step)
+        offloader.before_step(step.transfers, *self._blocks_in_use(step))
+        output = self._execute(step)
+        offloader.after_step(step.transfers)
+        report = offloader.report(idle=not step.scheduled)
+        if output is not None:
+            output.transfers = report
+        return output
+
+    def _blocks_in_use(self, step: StepInput) -> tuple[list[int], list[int]]:
+        """(touched, written): the blocks this step's forward reads or writes, and those it
+        writes (the first block not computed yet onwards)."""
+        touched, written = [], []
+        size = self.config.block_size
+        new = {request.request_id: request for request in step.new_requests}
+        for item in step.scheduled:
+            request = new.get(item.request_id)
+            if request is not None:
+                touched += request.block_ids
+                written += request.block_ids[item.num_computed_tokens // size:]
+            written += item.new_block_ids
+        return touched, written
+
+    def _execute(self, step: StepInput) -> StepOutput | None:
         lookahead, self.lookahead = self.lookahead, None  # good for the very next call only
         for request_id in step.released_ids:
             self.states.pop(request_id, None)

@@ -49,6 +49,12 @@ FLAGS: dict[str, tuple[tuple[str, ...], type, str]] = {
                                "run, so more of them batch (default: 0, off)"),
     "decode_steps": (("--decode-steps",), int, "decode steps per worker call (default: 0, auto)"),
     "seed": (("--seed",), int, "engine seed (default: 0)"),
+    "host_kv_cache_gb": (("--host-kv-cache-gb",), float, "host memory per replica for "
+                         "offloaded KV blocks, in GiB (default: 0, off)"),
+    "disk_kv_cache_dir": (("--disk-kv-cache-dir",), str, "a directory for KV blocks leaving "
+                          "the host tier, shareable by replicas (default: none)"),
+    "disk_kv_cache_gb": (("--disk-kv-cache-gb",), float, "size bound of the disk tier, in GiB "
+                         "(default: 10)"),
     "routing": (("--routing",), str, "prefix-affinity (default) | least-loaded | round-robin"),
 }
 SWITCHES = {  # ServeConfig field -> (flag, help): --flag / --no-flag

@@ -69,6 +69,13 @@ class EngineConfig:
                                     "step, so the device works while the host reads tokens "
                                     "and schedules (off for `tandem serve`)")
     cpu_kv_cache_gb: float = option(1.0, "KV cache size on the CPU, in GiB")
+    host_kv_cache_gb: float = option(0.0, "host memory for KV blocks offloaded from the device "
+                                     "cache (written through as they fill, loaded back on a "
+                                     "prefix miss), in GiB for all shards; 0: off")
+    disk_kv_cache_dir: str | None = option(None, "a directory for KV blocks leaving the host "
+                                           "tier, one file each, shareable by processes of the "
+                                           "same model (needs `host_kv_cache_gb`)", shown="off")
+    disk_kv_cache_gb: float = option(10.0, "size bound of the disk tier, in GiB")
     gpu_memory_utilization: float = option(0.9, "share of the GPU's memory this engine "
                                            "takes for weights, activations and the KV cache")
     gpu_fraction: float = option(1.0, "share of a GPU each shard asks Ray for: 0.5 puts two "
@@ -102,6 +109,18 @@ class EngineConfig:
             (0 < self.gpu_memory_utilization <= 1,
              f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"),
             (self.cpu_kv_cache_gb > 0, f"cpu_kv_cache_gb must be > 0, got {self.cpu_kv_cache_gb}"),
+            (self.host_kv_cache_gb >= 0,
+             f"host_kv_cache_gb must be >= 0 (0: off), got {self.host_kv_cache_gb}"),
+            (self.disk_kv_cache_gb > 0,
+             f"disk_kv_cache_gb must be > 0, got {self.disk_kv_cache_gb}"),
+            (self.disk_kv_cache_dir is None or self.host_kv_cache_gb > 0,
+             "disk_kv_cache_dir needs host_kv_cache_gb > 0: blocks reach the disk tier through "
+             "the host tier"),
+            (self.disk_kv_cache_dir != "", "disk_kv_cache_dir is empty: give a directory, or "
+             "None for no disk tier"),
+            (self.host_kv_cache_gb == 0 or self.enable_prefix_caching,
+             "host_kv_cache_gb needs enable_prefix_caching: the tiers find blocks by their "
+             "prefix hashes"),
             (1 <= self.tensor_parallel_size <= 8,
              f"tensor_parallel_size must be in [1, 8], got {self.tensor_parallel_size}"),
             (self.distributed_executor_backend in ("auto", "uni", "ray"),

@@ -3,13 +3,16 @@
 from typing import Protocol
 
 from workers.device_stats import DeviceStats
+from workers.kv_offload import OffloadInfo
 from workers.step_input import StepInput, StepOutput
 from workers.worker import Worker, WorkerConfig
 
 
 class Executor(Protocol):
     def determine_num_kv_blocks(self) -> int: ...
-    def init_kv_cache(self, num_blocks: int) -> None: ...
+    def init_kv_cache(self, num_blocks: int) -> OffloadInfo | None:
+        """Allocates every shard's cache (and host buffer); the host buffer's shape, if any."""
+        ...
     def execute(self, step: StepInput) -> StepOutput: ...
     def device_stats(self) -> list[DeviceStats]: ...  # one per shard on a GPU, none on the CPU
     def shutdown(self) -> None: ...
@@ -24,8 +27,8 @@ class UniExecutor:
     def determine_num_kv_blocks(self) -> int:
         return self.worker.determine_num_kv_blocks()
 
-    def init_kv_cache(self, num_blocks: int) -> None:
-        self.worker.init_kv_cache(num_blocks)
+    def init_kv_cache(self, num_blocks: int) -> OffloadInfo | None:
+        return self.worker.init_kv_cache(num_blocks)
 
     def execute(self, step: StepInput) -> StepOutput:
         output = self.worker.execute(step)

@@ -18,6 +18,7 @@ from transformers import PretrainedConfig
 from cluster.engine.config import EngineConfig
 from cluster.engine.executor import Executor, UniExecutor
 from cluster.engine.kv_events import KVEventPublisher
+from cluster.engine.kv_tiers import TierTraffic, host_bytes_per_shard, make_tiers
 from cluster.engine.metrics import EngineMetrics, LoadSample, MetricsSnapshot
 from cluster.engine.output_processor import (
     CompletionTracker,
@@ -42,6 +43,7 @@ from cluster.engine.tokenizer import (
     eos_token_ids,
     load_tokenizer,
 )
+from kvstore.disk_tier import check_directory
 from kvstore.kv_cache_manager import KVCacheManager
 from router.sampling_params import SEED_END, SamplingParams
 from router.scheduler import Scheduler, SchedulerConfig
@@ -76,6 +78,8 @@ def worker_config(config: EngineConfig, folder: Path) -> WorkerConfig:
         peer_sum_kernel=config.peer_sum_kernel, cpu_threads=config.cpu_threads,
         gpu_fraction=config.gpu_fraction, draft_model_path=draft,
         num_speculative_tokens=speculation.num_speculative_tokens if draft else 0,
+        host_kv_cache_bytes=host_bytes_per_shard(config),
+        disk_kv_cache_dir=config.disk_kv_cache_dir,
     )
 
 
@@ -112,9 +116,15 @@ class LLMEngine:
         speculation = config.speculation
         if speculation is not None and speculation.model is not None:
             check_draft_model(resolve_model(speculation.model, config.cache_dir), hf_config)
+        if config.disk_kv_cache_dir is not None:  # before the model loads
+            check_directory(Path(config.disk_kv_cache_dir))
         self.executor = executor or make_executor(config, self.model_path)
         num_blocks = config.num_kv_blocks or self.executor.determine_num_kv_blocks()
-        self.executor.init_kv_cache(num_blocks)
+        offload = self.executor.init_kv_cache(num_blocks)
+        tiers = make_tiers(config, offload)
+        # a block's bytes over every shard, for the bytes-moved metrics
+        self.offload_block_bytes = offload.block_bytes * config.tensor_parallel_size \
+            if offload else 0
         self.kv_capacity = num_blocks * config.block_size
         self.model_len = config.max_model_len or hf_config.max_position_embeddings
         # a sequence must fit the cache alone, or preempting everyone else would not save it;
@@ -130,7 +140,7 @@ class LLMEngine:
             config.model, f"kv_cache_dtype={config.kv_cache_dtype}")
         self.kv_hash_keys = (config.block_size, extra_keys)
         kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
-                            extra_keys=self.kv_hash_keys[1])
+                            extra_keys=self.kv_hash_keys[1], tiers=tiers)
         self.replica_index = replica_index
         self.kv_events = None if replica_index is None else KVEventPublisher(kv, replica_index)
         # a draft model proposes into the k slots after a row's tokens: they are set aside
@@ -268,14 +278,19 @@ class LLMEngine:
         if self.kv_events is None:
             self.scheduler.kv.take_events()  # nobody reads them: don't let them pile up
         scheduled = self.scheduler.schedule()
-        if scheduled.is_empty and not scheduled.released_ids:
+        transfers = self.scheduler.kv.take_transfers()
+        if scheduled.is_empty and not scheduled.released_ids and transfers is None and (
+                not self.scheduler.loading):
             return []
         started = time.perf_counter()
-        step = self.step_builder.build(scheduled)
+        step = self.step_builder.build(scheduled, transfers)
         if self.speculator is not None:
             self.speculator.before_step(step)
         result = self.executor.execute(step)
         seconds = time.perf_counter() - started
+        if result.transfers is not None and not result.transfers.is_empty:
+            for load in self.scheduler.apply_transfers(result.transfers).values():
+                self.metrics.kv_load_latency.observe(load.seconds)
         sampled = dict(zip(result.request_ids, result.token_ids, strict=True))
         self.metrics.on_step(len(scheduled.scheduled))
         scheduled_seqs = {item.seq.request_id: item.seq for item in scheduled.scheduled}
@@ -387,10 +402,13 @@ class LLMEngine:
             spec_decode_num_drafts=self.metrics.spec_decode_drafts,
             spec_decode_num_draft_tokens=self.metrics.spec_decode_draft_tokens,
             spec_decode_num_accepted_tokens=self.metrics.spec_decode_accepted_tokens,
+            host_cache_hits=kv.stats.host_hits, disk_cache_hits=kv.stats.disk_hits,
         )
 
     def metrics_snapshot(self) -> MetricsSnapshot:
         m, stats = self.metrics, self.stats()
+        tiers = self.scheduler.kv.tiers
+        traffic = TierTraffic.of(tiers.counters if tiers else None, self.offload_block_bytes)
         return MetricsSnapshot(
             m.time_to_first_token.copy(), m.inter_token_latency.copy(), m.e2e_latency.copy(),
             m.queue_time.copy(), m.prompt_tokens, m.generation_tokens,
@@ -401,6 +419,9 @@ class LLMEngine:
             tuple(m.spec_decode_accepted_per_position), m.spec_decode_speedup,
             m.batch_sizes.copy(), m.request_tokens_per_second.copy(),
             self._device_stats(), self.replica_index,
+            host_cache_hits=stats.host_cache_hits, disk_cache_hits=stats.disk_cache_hits,
+            kv_offloaded_bytes=traffic.offloaded, kv_loaded_bytes=traffic.loaded,
+            kv_load_latency=m.kv_load_latency.copy(),
         )
 
     def _device_stats(self) -> tuple[DeviceStats, ...]:

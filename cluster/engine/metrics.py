@@ -28,6 +28,9 @@ BATCH_SIZE_BUCKETS = (1.0, 2.0, 4.0, 8.0, 12.0, 16.0, 24.0, 32.0, 48.0, 64.0, 96
 # decode speed for one sequence (a few thousand)
 TOKENS_PER_SECOND_BUCKETS = (1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 150.0, 200.0, 300.0, 500.0,
                              750.0, 1000.0, 1500.0, 2000.0, 3000.0, 5000.0, 10000.0)
+# loads of a prefix from the host tier or disk: a few blocks over PCIe, up to many from disk
+KV_LOAD_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+                   5.0, 10.0)
 LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
                    60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 
@@ -80,6 +83,11 @@ class MetricsSnapshot:
     devices: tuple[DeviceStats, ...] = ()  # one per shard on a GPU, none on the CPU
     replica: int | None = None  # the cluster's replica index; None outside a cluster
 
+    host_cache_hits: int = 0  # of prefix_cache_hits, found in the host tier
+    disk_cache_hits: int = 0  # and on disk
+    kv_offloaded_bytes: dict[str, int] = field(default_factory=dict)  # tier -> bytes into it
+    kv_loaded_bytes: dict[str, int] = field(default_factory=dict)  # tier -> bytes out of it
+    kv_load_latency: Histogram = field(default_factory=lambda: Histogram(KV_LOAD_BUCKETS))
 
 @dataclass(frozen=True)
 class LoadSample:
@@ -111,6 +119,8 @@ class EngineMetrics:
     spec_decode_accepted_per_position: list[int] = field(default_factory=list)
     spec_decode_verify_seconds: float = 0.0  # the steps that verified drafts
     spec_decode_plain_seconds: float = 0.0  # plain steps' estimated time for the same tokens
+    # from a load's start (host tier or disk to the device) to the workers' report of it
+    kv_load_latency: Histogram = field(default_factory=lambda: Histogram(KV_LOAD_BUCKETS))
 
     @property
     def spec_decode_speedup(self) -> float:

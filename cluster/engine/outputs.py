@@ -81,6 +81,8 @@ class EngineStats:
     spec_decode_num_drafts: int = 0  # verify steps of a sequence with drafts
     spec_decode_num_draft_tokens: int = 0  # drafts verified
     spec_decode_num_accepted_tokens: int = 0  # of which kept
+    host_cache_hits: int = 0  # of the prefix-cache hits, prompt tokens found in the host tier
+    disk_cache_hits: int = 0  # and in the disk tier
 
 
 @dataclass

@@ -1,5 +1,6 @@
 """Builds the per-step message to the workers from the scheduler's decision (deltas only)."""
 
+from kvstore.transfers import KVTransfers
 from router.sampling_params import SamplingParams
 from router.scheduler import SchedulerOutput
 from workers.sampler import SamplingSpec
@@ -22,7 +23,7 @@ class StepBuilder:
     def __init__(self) -> None:
         self.num_tokens_sent: dict[str, int] = {}  # how many of each request's tokens workers hold
 
-    def build(self, output: SchedulerOutput) -> StepInput:
+    def build(self, output: SchedulerOutput, transfers: KVTransfers | None = None) -> StepInput:
         for request_id in output.released_ids:
             self.num_tokens_sent.pop(request_id, None)
         new_requests, scheduled = [], []
@@ -47,4 +48,4 @@ class StepBuilder:
                 item.draft_token_ids,
             ))
         return StepInput(new_requests, scheduled, list(output.released_ids), output.num_steps,
-                         output.lookahead)
+                         output.lookahead, transfers)

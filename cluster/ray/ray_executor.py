@@ -7,6 +7,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.ray.shard_actor import SHARD_ACTOR_OPTIONS, ShardActor
 from workers.device_stats import DeviceStats
+from workers.kv_offload import OffloadInfo
 from workers.step_input import StepInput, StepOutput
 from workers.worker import WorkerConfig
 
@@ -61,13 +62,15 @@ class RayExecutor:
         # every rank holds the same number of blocks: the smallest one decides
         return min(self._all(lambda actor: actor.determine_num_kv_blocks.remote()))
 
-    def init_kv_cache(self, num_blocks: int) -> None:
-        self._all(lambda actor: actor.init_kv_cache.remote(num_blocks))
+    def init_kv_cache(self, num_blocks: int) -> OffloadInfo | None:
+        # every shard's host buffer has as many slots (the same block shapes): rank 0's says
+        infos = self._all(lambda actor: actor.init_kv_cache.remote(num_blocks))
         # A compiled graph sends each step through shared-memory channels set up once:
         # a fraction of a millisecond, where an ordinary actor call per rank costs several.
         with InputNode() as step:
             graph = MultiOutputNode([actor.execute.bind(step) for actor in self.actors])
         self.step_graph = graph.experimental_compile()
+        return infos[0]
 
     def execute(self, step: StepInput) -> StepOutput:
         assert self.step_graph is not None, "init_kv_cache comes before the first step"

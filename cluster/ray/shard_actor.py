@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from cluster import environment
 from workers.device_stats import DeviceStats
+from workers.kv_offload import OffloadInfo
 from workers.layers.parallel import TensorParallelGroup
 from workers.step_input import StepInput, StepOutput
 from workers.worker import Worker, WorkerConfig
@@ -75,9 +76,9 @@ class ShardActor:
         assert self.worker is not None
         return self.worker.determine_num_kv_blocks()
 
-    def init_kv_cache(self, num_blocks: int) -> None:
+    def init_kv_cache(self, num_blocks: int) -> OffloadInfo | None:
         assert self.worker is not None
-        self.worker.init_kv_cache(num_blocks)
+        return self.worker.init_kv_cache(num_blocks)
 
     def execute(self, step: StepInput) -> StepOutput | None:
         assert self.worker is not None

@@ -64,6 +64,16 @@ class ServeConfig(BaseModel):
                                    "serving: arrivals drop most lookaheads, and W3 measured "
                                    "lower HTTP throughput with it.")
     seed: int = Field(0, description="Seed of the engines' random state.")
+    host_kv_cache_gb: float = Field(0.0, ge=0, description="Host memory per replica for KV "
+                                    "blocks offloaded from the device (written through, loaded "
+                                    "back on a prefix miss and after a preemption), in GiB; "
+                                    "0: off.")
+    disk_kv_cache_dir: str | None = Field(None, min_length=1, description="A directory for KV "
+                                          "blocks leaving the host tier, which replicas and "
+                                          "nodes of the same model may share; needs "
+                                          "host_kv_cache_gb.")
+    disk_kv_cache_gb: float = Field(10.0, gt=0, description="Size bound of each replica's "
+                                    "view of the disk tier, in GiB.")
     speculative_config: dict[str, Any] | None = Field(None, description="Speculative decoding, "
                                                       "in vLLM's keys (EngineConfig's).")
     routing: Literal["prefix-affinity", "least-loaded", "round-robin"] = Field(
@@ -131,6 +141,8 @@ class ServeConfig(BaseModel):
             scheduler_delay_factor=self.scheduler_delay_factor,
             gpu_memory_utilization=self.gpu_memory_utilization,
             speculative_config=self.speculative_config,
+            host_kv_cache_gb=self.host_kv_cache_gb, disk_kv_cache_dir=self.disk_kv_cache_dir,
+            disk_kv_cache_gb=self.disk_kv_cache_gb,
         )
 
     def curl_example(self) -> str:

@@ -34,6 +34,8 @@ HISTOGRAMS = {  # name -> (snapshot field, help)
     "request_generation_tokens_per_second": ("request_tokens_per_second", "A finished "
                                              "request's generated tokens over its end-to-end "
                                              "time (aborted requests left out)."),
+    "kv_load_latency_seconds": ("kv_load_latency", "Loads of a prefix from the host or disk "
+                                "KV tier: from their start to their blocks on the device."),
 }
 COUNTERS = {
     "prompt_tokens": ("prompt_tokens", "Prompt tokens processed."),
@@ -41,10 +43,16 @@ COUNTERS = {
     "num_preemptions": ("preemptions", "Sequences preempted."),
     "prefix_cache_queries": ("prefix_cache_queries", "Prompt tokens looked up in the prefix "
                              "cache."),
-    "prefix_cache_hits": ("prefix_cache_hits", "Prompt tokens found in the prefix cache."),
     "spec_decode_num_drafts": ("spec_decode_drafts", "Speculative drafting steps."),
     "spec_decode_num_draft_tokens": ("spec_decode_draft_tokens", "Draft tokens proposed."),
     "spec_decode_num_accepted_tokens": ("spec_decode_accepted_tokens", "Draft tokens accepted."),
+}
+TIERS = ("gpu", "host", "disk")  # where a prefix-cache hit was found
+TIER_COUNTERS = {  # name -> (snapshot field: tier -> bytes, help), labelled by tier
+    "kv_offload_bytes": ("kv_offloaded_bytes", "KV bytes copied into a tier: host (from the "
+                         "device), disk (from the host)."),
+    "kv_load_bytes": ("kv_loaded_bytes", "KV bytes copied out of a tier: host (to the "
+                      "device), disk (to the host)."),
 }
 GAUGES = {
     "num_requests_running": ("num_running", "Requests in the running batch."),
@@ -80,7 +88,8 @@ GPU_GAUGES = {  # name -> (DeviceStats field, help); from each shard's device, n
 # every name /metrics exposes (counters with their _total suffix), for docs and tests
 METRIC_NAMES = (
     [PREFIX + name for name in HISTOGRAMS]
-    + [PREFIX + name + "_total" for name in [*COUNTERS, "request_success"]]
+    + [PREFIX + name + "_total" for name in [*COUNTERS, "request_success", "prefix_cache_hits",
+                                             *TIER_COUNTERS]]
     + [PREFIX + name for name in [*GAUGES, "kv_cache_usage_perc", "prefix_cache_hit_rate"]]
     + [PREFIX + name for name in ROUTER_METRICS]
     # on the CPU these families have no samples: /metrics shows their names only
@@ -136,6 +145,14 @@ class ReplicaCollector(Collector):
             for label, (_, snap) in zip(labels, snapshots, strict=True):
                 counter.add_metric(label, getattr(snap, field))
             yield counter
+        yield self._hits_by_tier(labels, [snap for _, snap in snapshots])
+        for name, (field, doc) in TIER_COUNTERS.items():
+            by_tier = CounterMetricFamily(PREFIX + name, doc, labels=[*LABELS, "tier"])
+            for label, (_, snap) in zip(labels, snapshots, strict=True):
+                moved: dict[str, int] = getattr(snap, field)
+                for tier in ("host", "disk"):
+                    by_tier.add_metric([*label, tier], moved.get(tier, 0))
+            yield by_tier
         yield self._success(labels, [snap for _, snap in snapshots])
         yield self._accepted_per_position(labels, [snap for _, snap in snapshots])
         for name, (field, doc) in GAUGES.items():
@@ -166,6 +183,19 @@ class ReplicaCollector(Collector):
                     if value is not None:
                         gauge.add_metric([*label, str(device.rank)], value)
             yield gauge
+
+    @staticmethod
+    def _hits_by_tier(labels: list[list[str]], snaps: list[MetricsSnapshot]) -> Metric:
+        """Prompt tokens found cached, by where: the device's cache, the host tier, disk."""
+        family = CounterMetricFamily(PREFIX + "prefix_cache_hits", "Prompt tokens found in "
+                                     "the prefix cache, by the tier that held them.",
+                                     labels=[*LABELS, "tier"])
+        for label, snap in zip(labels, snaps, strict=True):
+            gpu = snap.prefix_cache_hits - snap.host_cache_hits - snap.disk_cache_hits
+            for tier, hits in zip(TIERS, (gpu, snap.host_cache_hits, snap.disk_cache_hits),
+                                  strict=True):
+                family.add_metric([*label, tier], hits)
+        return family
 
     def _success(self, labels: list[list[str]], snaps: list[MetricsSnapshot]) -> Metric:
         family = CounterMetricFamily(PREFIX + "request_success", "Finished requests by reason.",

@@ -74,6 +74,15 @@ class TensorParallelGroup:
             dist.broadcast(t, src=dist.get_global_rank(self.group, src), group=self.group)
         return t
 
+    def any_true_each(self, flags: list[bool], device: torch.device) -> list[bool]:
+        """Each flag, true where it holds on any rank (a MAX all-reduce); every rank must call
+        it with as many flags."""
+        if self.size == 1 or not flags:
+            return flags
+        value = torch.tensor(flags, dtype=torch.int32, device=device)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.group)
+        return [bool(v) for v in value.tolist()]
+
     def all_true(self, flag: bool, device: torch.device) -> bool:
         """Whether flag holds on every rank (a MIN all-reduce); every rank must call it."""
         if self.size == 1:

@@ -35,6 +35,10 @@ def config_of(*flags):
     (["--kv-cache-dtype", "int8"], "kv_cache_dtype", "int8"),
     (["--kv-cache-dtype", "fp8"], "kv_cache_dtype", "fp8"),
     ([], "kv_cache_dtype", "auto"),
+    (["--host-kv-cache-gb", "4"], "host_kv_cache_gb", 4.0),
+    (["--host-kv-cache-gb", "4", "--disk-kv-cache-dir", "/data/kv"], "disk_kv_cache_dir",
+     "/data/kv"),
+    (["--disk-kv-cache-gb", "100"], "disk_kv_cache_gb", 100.0),
 ])
 def test_each_flag_reaches_the_engine_config(flags, field, value):
     assert getattr(config_of(*flags).engine_config(), field) == value
@@ -109,3 +113,24 @@ def test_without_chunked_prefill_the_context_must_fit_one_step():
                                          r"\(512\)"):
         config_of("--no-enable-chunked-prefill", "--max-model-len", "2048",
                   "--max-num-batched-tokens", "512").engine_config()
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--host-kv-cache-gb", "-1"], "invalid server configuration:\n  --host-kv-cache-gb: Input "
+     "should be greater than or equal to 0"),
+    (["--disk-kv-cache-gb", "0"], "invalid server configuration:\n  --disk-kv-cache-gb: Input "
+     "should be greater than 0"),
+    (["--disk-kv-cache-dir", ""], "invalid server configuration:\n  --disk-kv-cache-dir: String "
+     "should have at least 1 character"),
+])
+def test_bad_kv_tier_flags_are_refused_by_name(flags, message):
+    with pytest.raises(ValueError) as error:
+        config_of(*flags)
+    assert str(error.value) == message
+
+
+def test_a_disk_tier_without_a_host_tier_is_refused_with_the_reason():
+    with pytest.raises(ValueError) as error:
+        config_of("--disk-kv-cache-dir", "/data/kv").engine_config()
+    assert str(error.value) == ("disk_kv_cache_dir needs host_kv_cache_gb > 0: blocks reach the "
+                                "disk tier through the host tier")

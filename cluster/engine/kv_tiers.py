@@ -1,0 +1,54 @@
+"""The engine's KV tiers: built from the configuration and the shards' host buffers, and the
+bytes they move, for metrics.
+
+The host tier has as many slots as each shard's buffer (every shard holds its share of the same
+blocks in the same slots); the disk tier's size bound counts every shard's file of a block.
+"""
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from cluster.engine.config import EngineConfig
+from kvstore.block_file import file_bytes
+from kvstore.disk_tier import DiskTier
+from kvstore.host_tier import HostTier
+from kvstore.tiers import TierCounters, TierManager
+from workers.kv_offload import OffloadInfo
+
+GIB = 1 << 30
+
+
+def host_bytes_per_shard(config: EngineConfig) -> int:
+    """``host_kv_cache_gb`` is for the whole replica, split evenly over its shards."""
+    return int(config.host_kv_cache_gb * GIB) // config.tensor_parallel_size
+
+
+def make_tiers(config: EngineConfig, info: OffloadInfo | None) -> TierManager | None:
+    if info is None:
+        return None
+    disk = None
+    if config.disk_kv_cache_dir is not None:
+        tp = config.tensor_parallel_size
+        per_block = tp * file_bytes(info.block_bytes, config.block_size)
+        capacity = int(config.disk_kv_cache_gb * GIB) // per_block
+        if capacity < 1:
+            raise ValueError(f"disk_kv_cache_gb holds no KV block: one takes {per_block} bytes")
+        disk = DiskTier(Path(config.disk_kv_cache_dir), info.layout_tag, capacity, tp)
+    return TierManager(HostTier(info.num_slots), disk, config.block_size)
+
+
+@dataclass(frozen=True)
+class TierTraffic:
+    """Bytes moved between the tiers since start-up, over every shard."""
+
+    offloaded: dict[str, int]  # into a tier: host (from the device), disk (from the host)
+    loaded: dict[str, int]  # out of a tier: host (to the device), disk (to the host)
+
+    @classmethod
+    def of(cls, counters: TierCounters | None, block_bytes: int) -> "TierTraffic":
+        if counters is None:
+            return cls({"host": 0, "disk": 0}, {"host": 0, "disk": 0})
+        return cls({"host": counters.stored_to_host * block_bytes,
+                    "disk": counters.written_to_disk * block_bytes},
+                   {"host": counters.loaded_from_host * block_bytes,
+                    "disk": counters.read_from_disk * block_bytes})

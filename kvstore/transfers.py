@@ -1,0 +1,71 @@
+"""The copies between KV tiers that one step asks of the workers, and what they report back.
+
+Plain lists of ids, small enough for every step message. The workers do them in this order,
+which is what makes reusing a slot or a block within one step safe::
+
+    to_disk        host slot -> file        blocks leaving the host tier, before their slot
+                                            is written again below
+    stores_first   device block -> host     blocks the GPU pool handed out again in this
+                                            step: copied before the forward overwrites them
+    from_disk      file -> host slot        (checked on read)
+    loads          host slot -> device block
+    -- the forward --
+    stores         device block -> host     write-through of blocks cached last step
+"""
+
+from dataclasses import dataclass, field
+
+from kvstore.block_hash import BlockHash
+
+
+@dataclass
+class DiskWrite:
+    slot: int
+    block_hash: BlockHash
+    token_ids: tuple[int, ...]  # written into the file's header, checked by its readers
+
+
+@dataclass
+class DiskRead:
+    block_hash: BlockHash
+    token_ids: tuple[int, ...]  # the prefix's tokens: a file of other tokens is refused
+    slot: int
+
+
+@dataclass
+class BlockLoad:
+    """One sequence's blocks coming back to the device: ``host_slots[i]`` -> ``block_ids[i]``.
+    Reported done once every copy has landed, with how many of them (a prefix) succeeded."""
+
+    request_id: str
+    host_slots: list[int]
+    block_ids: list[int]
+
+
+@dataclass
+class KVTransfers:
+    to_disk: list[DiskWrite] = field(default_factory=list)
+    stores_first: list[tuple[int, int]] = field(default_factory=list)  # (device block, slot)
+    from_disk: list[DiskRead] = field(default_factory=list)
+    loads: list[BlockLoad] = field(default_factory=list)
+    stores: list[tuple[int, int]] = field(default_factory=list)  # (device block, slot)
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.to_disk or self.stores_first or self.from_disk or self.loads
+                    or self.stores)
+
+
+@dataclass
+class TransferReport:
+    """What the workers finished since their last report."""
+
+    # request id -> how many of its load's blocks arrived intact (all of them, or the ones
+    # before the first that failed), for every load whose copies have all landed
+    loaded: dict[str, int] = field(default_factory=dict)
+    failed_reads: list[BlockHash] = field(default_factory=list)  # disk reads refused
+    disk_error: str | None = None  # the disk tier failed (full, unwritable): switch it off
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.loaded or self.failed_reads or self.disk_error)
