@@ -84,6 +84,10 @@ class RayExecutor:
             tables = self._all(lambda actor: actor.stop_profile.remote())
         return tables
 
+    def ping(self) -> list:
+        """One small call to every shard, as object refs to await: a dead shard's raises."""
+        return [actor.pid.remote() for actor in self.actors]
+
     def shard_pids(self) -> list[int]:
         return self._all(lambda actor: actor.pid.remote())
 
