@@ -14,6 +14,7 @@ iteration early (a client that disconnected) aborts the request on its replica, 
 KV blocks at once.
 """
 
+import asyncio
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
@@ -202,14 +203,14 @@ class TandemCluster:
         """Every replica's figures now, monotonic across its rebuilds and restarts."""
         return await self.monitor.metrics.remote()
 
-    def drain(self, timeout_s: float, poll_s: float = 0.1) -> int:
+    async def drain(self, timeout_s: float, poll_s: float = 0.1) -> int:
         """Refuses new requests, then waits up to ``timeout_s`` for those in flight to finish;
-        returns how many were still running at the end (blocking: the CLI's signal path)."""
-        in_flight = ray.get(self.router.drain.remote())
+        returns how many were still running at the end."""
+        in_flight = await self.router.drain.remote()
         deadline = time.monotonic() + timeout_s
         while in_flight and time.monotonic() < deadline:
-            time.sleep(poll_s)
-            in_flight = ray.get(self.router.num_in_flight.remote())
+            await asyncio.sleep(poll_s)
+            in_flight = await self.router.num_in_flight.remote()
         return in_flight
 
     async def router_stats(self) -> RouterStats:

@@ -126,7 +126,11 @@ def start_cluster(config: ServeConfig) -> "TandemCluster":
                          routing=config.routing, policy=config.serving_policy())
 
 
-@serve.deployment(name="tandem-engines", num_replicas=1, ray_actor_options={"num_cpus": 0})
+APP_NAME = "tandem"  # the application `tandem serve` runs
+ENGINES_DEPLOYMENT = "tandem-engines"
+
+
+@serve.deployment(name=ENGINES_DEPLOYMENT, num_replicas=1, ray_actor_options={"num_cpus": 0})
 class EngineHost:
     """Starts the cluster (router and engine replica actors) and owns it while the app lives."""
 
@@ -157,11 +161,16 @@ class TandemServer:
         return build_app(self.service, self.config)
 
 
-def server_app(config: ServeConfig) -> Application:
+def server_app(config: ServeConfig, graceful_shutdown_s: float | None = None) -> Application:
+    """``graceful_shutdown_s``: how long a stopping ingress replica waits for its open
+    requests; by default ``drain_timeout`` (Serve's own drain, as under KubeRay); `tandem serve`
+    drains the app itself first and passes a short one."""
     engines = EngineHost.bind(config)
     return TandemServer.options(
         num_replicas=config.num_ingress_replicas,
         max_ongoing_requests=config.max_ongoing_requests,
+        graceful_shutdown_timeout_s=(config.drain_timeout if graceful_shutdown_s is None
+                                     else graceful_shutdown_s),
     ).bind(config, engines)
 
 
