@@ -17,7 +17,8 @@ request ends with ``NoReplicaAvailable`` (a 503 with Retry-After), never with Ra
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from contextlib import aclosing
 
 import ray
 
@@ -35,7 +36,7 @@ log = logging.getLogger(__name__)
 BACKOFF_S = (0.0, 0.25, 0.5, 1.0, 2.0)
 
 # attempt(resume, lost replicas) -> the outputs of one placement
-Attempt = Callable[[Resume | None, frozenset[int]], AsyncIterator[RequestOutput]]
+Attempt = Callable[[Resume | None, frozenset[int]], AsyncGenerator[RequestOutput, None]]
 
 
 class ReplicaLost(Exception):
@@ -66,8 +67,10 @@ async def with_failover(request_id: str, attempt: Attempt, accumulator: OutputAc
         sent = accumulator.output
         resume = None if sent is None else Resume.from_output(sent, time.monotonic() - arrived)
         try:
-            async for output in attempt(resume, frozenset(lost)):
-                yield output
+            # closed here, not when collected: closing this stream aborts the request at once
+            async with aclosing(attempt(resume, frozenset(lost))) as outputs:
+                async for output in outputs:
+                    yield output
             return
         except ReplicaLost as loss:
             now = time.monotonic()

@@ -16,7 +16,8 @@ KV blocks at once.
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from contextlib import aclosing
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -115,17 +116,20 @@ class TandemCluster:
         hashes = hash_full_blocks(prompt_ids, block_size, tuple(extra_keys) + salt)
         accumulator = OutputAccumulator()  # one for all attempts: the caller's one stream
 
-        def attempt(resume: Resume | None, lost: frozenset[int]) -> AsyncIterator[RequestOutput]:
+        def attempt(resume: Resume | None,
+                    lost: frozenset[int]) -> AsyncGenerator[RequestOutput, None]:
             return self._attempt(request_id, list(prompt_ids), params, hashes, accumulator,
                                  resume, lost)
 
-        async for output in with_failover(request_id, attempt, accumulator, self.policy):
-            yield output
+        async with aclosing(with_failover(request_id, attempt, accumulator,
+                                          self.policy)) as outputs:
+            async for output in outputs:
+                yield output
 
     async def _attempt(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                        hashes: list[BlockHash], accumulator: OutputAccumulator,
                        resume: Resume | None, lost: frozenset[int]
-                       ) -> AsyncIterator[RequestOutput]:
+                       ) -> AsyncGenerator[RequestOutput, None]:
         """The request on one replica, from ``resume`` when it continues after a loss; a loss
         of that replica raises ``ReplicaLost``."""
         index = await self.router.assign.remote(request_id, hashes, len(prompt_ids),
