@@ -11,6 +11,9 @@ from tests.tiny_models import SPECS, build_tiny_chat_model, build_tiny_model
 # Serve as `tandem serve` runs it (cluster/cli/serve.py): set before any module imports Ray
 # Serve, which reads it once, and before the session's Ray starts, whose processes inherit it
 environment.set_serve_throughput_optimized(None)
+# and a Serve app that is deleted goes at once, as under `tandem serve` (whose drain comes
+# first): no load balancer here needs Serve's 30 s of draining
+environment.set_serve_quick_stop()
 
 
 @pytest.fixture(scope="session")
