@@ -8,6 +8,10 @@ TORCH_SPEC ?= torch==2.13.0
 # the Triton the kernels are written for (the GPU machine's); tests run it interpreted on the CPU
 TRITON_SPEC ?= triton==3.6.0
 PROMPT ?= What is the capital of France?
+# `make serve PORT=9000 HOST=0.0.0.0 MODEL=qwen2.5-coder-0.5b-instruct`
+PORT ?= 8000
+HOST ?= 127.0.0.1
+MODEL ?= smollm2-135m-instruct
 
 .PHONY: install test lint run serve bench clean
 
@@ -31,7 +35,7 @@ run: install
 	$(TANDEM) generate --chat --prompt "$(PROMPT)" --max-tokens 64
 
 serve: install
-	$(TANDEM) serve --model smollm2-135m-instruct --host 127.0.0.1 --port 8000
+	$(TANDEM) serve --model '$(MODEL)' --host '$(HOST)' --port '$(PORT)'
 
 bench: install
 	$(TANDEM) bench throughput --model smollm2-135m-instruct --num-requests 32 --min-len 100 \

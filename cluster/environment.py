@@ -58,6 +58,28 @@ def set_serve_throughput_optimized(flag: bool | None) -> str:
     return value
 
 
+def set_serve_ports(first_port: int, num_ingress_replicas: int) -> None:
+    """Pins where Ray Serve's direct ingress listens, for the Ray instance about to start (its
+    processes read these as they start): ingress replica i takes HTTP port ``first_port + i``,
+    and any gRPC listener one opens comes from the n ports after the proxy's (``first_port +
+    n``), instead of Serve's 30000-31000 and 40000-41000. A released port is reusable at once
+    (Serve holds it back for HAProxy, which tandem does not run), so a replaced replica finds
+    its port. Set only by `tandem serve`, which chooses the ports; the README lists them."""
+    n = num_ingress_replicas
+    os.environ["RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT"] = str(first_port)
+    os.environ["RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT"] = str(first_port + n)
+    os.environ["RAY_SERVE_DIRECT_INGRESS_MIN_GRPC_PORT"] = str(first_port + n + 1)
+    os.environ["RAY_SERVE_DIRECT_INGRESS_MAX_GRPC_PORT"] = str(first_port + 2 * n + 1)
+    os.environ["RAY_SERVE_PORT_QUARANTINE_S"] = "0"
+
+
+def set_serve_quick_stop() -> None:
+    """A stopping ingress replica goes at once: Serve would keep it taking requests for 30 s
+    (its direct-ingress draining period) so load balancers notice; `tandem serve` has drained
+    it already, with 503s and /health saying so (cluster/cli/drain.py)."""
+    os.environ["RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"] = "0"
+
+
 def prepare_shard_process(on_gpu: bool, tensor_parallel: bool,
                           replica_gpus: list[str] | None) -> None:
     """What a shard's own process must set before CUDA, NCCL and symmetric memory start."""

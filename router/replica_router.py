@@ -7,10 +7,11 @@ it asks for (a replica's cache dump after a gap in its events); everything decid
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from kvstore.block_hash import BlockHash
 from kvstore.directory import CacheDump, EventBatch, KVDirectory
+from router.admission import AdmissionLimits, Refusal, admissible
 from router.placement import Decision, ReplicaLoad, RoutingRequest, make_policy
 
 
@@ -30,12 +31,35 @@ class RouterStats:
     resyncs: int
     blocks_held: list[int] = field(default_factory=list)  # per replica
     removed: frozenset[int] = frozenset()  # replicas the autoscaler took away (indices stay)
+    failovers: int = 0  # requests moved to another replica after theirs was lost
+    rejected: dict[str, int] = field(default_factory=dict)  # refused, by Refusal reason
+
+
+@dataclass(frozen=True)
+class ClusterHealth:
+    alive: list[bool]  # per replica: its engine and every shard answer
+    draining: bool = False  # shutting down: new requests are refused
+
+    @property
+    def status(self) -> str:
+        """ok | degraded (some replica is down or rebuilding; the others serve) |
+        unavailable (none serves) | draining."""
+        if self.draining:
+            return "draining"
+        if all(self.alive):
+            return "ok"
+        return "degraded" if any(self.alive) else "unavailable"
 
 
 class ReplicaRouter:
     def __init__(self, num_replicas: int, policy: str = "prefix-affinity",
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time,
+                 limits: AdmissionLimits | None = None) -> None:
         self.directory = KVDirectory(num_replicas)
+        self.limits = limits or AdmissionLimits()
+        self.draining = False
+        self.failovers = 0
+        self.rejected: Counter[str] = Counter()
         self.policy = make_policy(policy, self.directory)
         self.alive = [True] * num_replicas
         # the autoscaler's: a draining replica gets no new requests; a removed one is gone
@@ -62,11 +86,23 @@ class ReplicaRouter:
             self.accepting, strict=True)]
 
     def assign(self, request_id: str, block_hashes: Sequence[BlockHash],
-               num_prompt_tokens: int, block_size: int) -> Decision:
+               num_prompt_tokens: int, block_size: int, exclude: Sequence[int] = (),
+               resumed: bool = False) -> Decision | Refusal:
+        """``exclude``: replicas lost under this request already (tried again only when no
+        other is alive); ``resumed``: it continues after a loss, so it was admitted before
+        and is not refused now."""
         if request_id in self.placed:
             raise ValueError(f"request id '{request_id}' is already placed")
+        loads = [replace(load, alive=load.alive and index not in exclude)
+                 for index, load in enumerate(self.loads())]
+        if not resumed:
+            admitted = self._admit(loads, num_prompt_tokens)
+            if isinstance(admitted, Refusal):
+                self.rejected[admitted.reason] += 1
+                return admitted
+            loads = admitted
         request = RoutingRequest(block_hashes, num_prompt_tokens, block_size)
-        decision = self.policy.choose(self.loads(), request)
+        decision = self.policy.choose(loads, request)
         placed = Placed(decision.replica, num_prompt_tokens - decision.cached_tokens)
         self.placed[request_id] = placed
         self.num_requests[placed.replica] += 1
@@ -74,6 +110,13 @@ class ReplicaRouter:
         self.num_prefill_tokens[placed.replica] += placed.prefill_tokens
         self.decisions[decision.reason] += 1
         return decision
+
+    def _admit(self, loads: list[ReplicaLoad],
+               num_prompt_tokens: int) -> list[ReplicaLoad] | Refusal:
+        if self.draining:
+            return Refusal("draining")
+        admitted = admissible(loads, self.limits, num_prompt_tokens)
+        return Refusal("overloaded") if admitted is None else admitted
 
     def first_token(self, request_id: str) -> None:
         placed = self.placed.get(request_id)
@@ -158,8 +201,38 @@ class ReplicaRouter:
         """The replicas not removed, draining ones included."""
         return [index for index in range(self.num_replicas) if index not in self.removed]
 
+    def lost(self, request_id: str, replica: int, process_died: bool) -> None:
+        """The request's replica was lost under it: it is placed again (a failover); a replica
+        whose process died is down until its restart or the health check says otherwise."""
+        self.release(request_id)
+        self.failovers += 1
+        if process_died and self.alive[replica]:
+            self.replica_down(replica)
+
+    def set_health(self, alive: Sequence[bool]) -> None:
+        """The health check's view of every replica; a replica found down drops out of the
+        directory (its cache went with its engine)."""
+        for replica, up in enumerate(alive):
+            if up and not self.alive[replica]:
+                self.replica_up(replica)
+            elif not up and self.alive[replica]:
+                self.replica_down(replica)
+
+    def health(self) -> ClusterHealth:
+        return ClusterHealth(list(self.alive), self.draining)
+
+    def drain_all(self) -> int:
+        """Refuses new requests from now on (continuations of placed ones still go through);
+        returns how many are in flight."""
+        self.draining = True
+        return len(self.placed)
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self.placed)
+
     def stats(self) -> RouterStats:
         return RouterStats(dict(self.decisions), self.directory.num_blocks, self.event_lag_s,
                            self.loads(), self.resyncs,
                            [len(view.hashes) for view in self.directory.replicas],
-                           frozenset(self.removed))
+                           frozenset(self.removed), self.failovers, dict(self.rejected))

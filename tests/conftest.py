@@ -6,11 +6,14 @@ import tests.workers.triton_interpreter  # noqa: F401, I001
 import pytest
 
 from cluster import environment
-from tests.tiny_models import SPECS, build_tiny_model
+from tests.tiny_models import SPECS, build_tiny_chat_model, build_tiny_model
 
 # Serve as `tandem serve` runs it (cluster/cli/serve.py): set before any module imports Ray
 # Serve, which reads it once, and before the session's Ray starts, whose processes inherit it
 environment.set_serve_throughput_optimized(None)
+# and a Serve app that is deleted goes at once, as under `tandem serve` (whose drain comes
+# first): no load balancer here needs Serve's 30 s of draining
+environment.set_serve_quick_stop()
 
 
 @pytest.fixture(scope="session")
@@ -18,6 +21,16 @@ def tiny_models(tmp_path_factory):
     """name -> folder of a tiny random model (see tests/tiny_models.py)."""
     folder = tmp_path_factory.mktemp("tiny-models")
     return {name: build_tiny_model(name, folder) for name in SPECS}
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_model(tmp_path_factory):
+    """A tiny random model with the default model's tokenizer (pulled once into the cache)."""
+    from cluster.engine.config import DEFAULT_MODEL
+    from workers.catalog import resolve_model
+
+    tokenizer_folder = resolve_model(DEFAULT_MODEL, environment.cache_dir())
+    return build_tiny_chat_model(tmp_path_factory.mktemp("tiny-chat-model"), tokenizer_folder)
 
 
 @pytest.fixture(scope="session")

@@ -1,5 +1,6 @@
 """Tiny random HuggingFace models for CPU tests, saved once per session."""
 
+import shutil
 from pathlib import Path
 
 import torch
@@ -30,3 +31,19 @@ def build_tiny_model(name: str, folder: Path) -> Path:
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.save_pretrained(folder / name)
     return folder / name
+
+
+# SmolLM2's tokenizer on a tiny random model of its vocabulary: text that streams (multi-byte
+# characters split across tokens, leading spaces) at a tiny model's speed
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+
+
+def build_tiny_chat_model(folder: Path, tokenizer_folder: Path) -> Path:
+    config = LlamaConfig(**{**COMMON, "vocab_size": 49152, "tie_word_embeddings": True})
+    torch.manual_seed(49152)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    target = folder / "llama-chat"
+    model.save_pretrained(target)
+    for name in TOKENIZER_FILES:
+        shutil.copyfile(tokenizer_folder / name, target / name)
+    return target

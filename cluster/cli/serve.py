@@ -8,11 +8,12 @@ import argparse
 import json
 import signal
 import socket
-import sys
 import time
 
 from cluster import environment
 from cluster.cli.autoscaling_flags import add_autoscaling_flags, autoscaling_config
+from cluster.cli.drain import ShutdownRequested, drain_and_stop, raise_on_signals
+from cluster.cli.serve_ports import ServePorts, serve_ports
 from cluster.engine.config import DEFAULT_MODEL
 from cluster.serve.config import ServeConfig, load_config
 from workers.spec.config import SpeculativeConfig
@@ -28,7 +29,8 @@ FLAGS: dict[str, tuple[tuple[str, ...], type, str]] = {
     "ingress_replicas": (("--ingress-replicas",), int,
                          "HTTP ingress replicas (default: 0, auto: 4 on a GPU, 1 on the CPU)"),
     "host": (("--host",), str, "bind address (default: 127.0.0.1)"),
-    "port": (("--port",), int, "HTTP port (default: 8000)"),
+    "port": (("--port",), int, "HTTP port (default: 8000); ingress replica i takes port + i, "
+             "Serve's proxy port + n (README: Ports)"),
     "api_key": (("--api-key",), str, "require this bearer key on /v1 (default: "
                 f"${environment.API_KEY.name})"),
     "max_body_bytes": (("--max-body-bytes",), int, "larger request bodies get 413 (4 MiB)"),
@@ -56,6 +58,24 @@ FLAGS: dict[str, tuple[tuple[str, ...], type, str]] = {
     "disk_kv_cache_gb": (("--disk-kv-cache-gb",), float, "size bound of the disk tier, in GiB "
                          "(default: 10)"),
     "routing": (("--routing",), str, "prefix-affinity (default) | least-loaded | round-robin"),
+    "max_waiting_requests": (("--max-waiting-requests",), int,
+                             "per replica, requests without a first token; past it everywhere "
+                             "a new request gets 503 + Retry-After (default: 0, no limit)"),
+    "max_waiting_tokens": (("--max-waiting-tokens",), int,
+                           "per replica, those requests' prompt tokens; the same 503 past it "
+                           "(default: 0, no limit)"),
+    "retry_after": (("--retry-after",), int, "seconds a 503's Retry-After asks for (default: 2)"),
+    "request_timeout": (("--request-timeout",), float,
+                        "seconds a request may take, then 504; a client's X-Request-Timeout "
+                        "header may ask for less (default: 0, no limit)"),
+    "failover_timeout": (("--failover-timeout",), float,
+                         "seconds a request whose replica was lost looks for another "
+                         "(default: 30)"),
+    "health_check_period": (("--health-check-period",), float,
+                            "seconds between pings of every replica and shard (default: 1)"),
+    "drain_timeout": (("--drain-timeout",), float,
+                      "on SIGTERM or Ctrl-C, seconds in-flight requests get to finish "
+                      "(default: 30)"),
 }
 SWITCHES = {  # ServeConfig field -> (flag, help): --flag / --no-flag
     "enable_chunked_prefill": ("--enable-chunked-prefill", "prefill prompts in chunks mixed "
@@ -152,45 +172,75 @@ def flag_names() -> dict[str, str]:
 
 def serve_command(args: argparse.Namespace) -> int:
     config = serve_config(args)
-    check_port_free(config)
     # before Ray starts: the Serve processes it launches inherit the environment (a Ray
     # cluster that is already running keeps the value its own processes started with)
-    environment.set_serve_throughput_optimized(args.throughput_optimized)
-    run_server(config)
+    throughput = environment.set_serve_throughput_optimized(args.throughput_optimized) == "1"
+    ports = serve_ports(config.port, config.num_ingress_replicas, throughput)
+    check_ports_free(config.host, ports)
+    if throughput:
+        environment.set_serve_ports(config.port, config.num_ingress_replicas)
+    environment.set_serve_quick_stop()
+    run_server(config, ports)
     return 0
 
 
-def check_port_free(config: ServeConfig) -> None:
-    with socket.socket() as sock:
-        try:
-            sock.bind((config.host, config.port))
-        except OSError as error:
-            raise ValueError(f"cannot listen on {config.host}:{config.port} ({error.strerror}):"
-                             " choose another --port") from None
+def check_ports_free(host: str, ports: ServePorts) -> None:
+    if ports.all[-1] > 65535:
+        raise ValueError(f"--port {ports.all[0]} leaves no room for ports up to "
+                         f"{ports.all[-1]} (README: Ports): choose a lower --port")
+    for port in ports.all:
+        with socket.socket() as sock:
+            try:
+                sock.bind((host, port))
+            except OSError as error:
+                raise ValueError(f"cannot listen on {host}:{port} ({error.strerror}); tandem "
+                                 f"uses ports {ports.all[0]}-{ports.all[-1]} (README: Ports):"
+                                 " choose another --port") from None
 
 
-def run_server(config: ServeConfig) -> None:
-    """Blocks until Ctrl-C, then shuts Serve and Ray down."""
+def run_server(config: ServeConfig, ports: ServePorts) -> None:
+    """Serves until SIGTERM or Ctrl-C, then drains (drain.py) and shuts Serve and Ray down."""
     import ray
     from ray import serve
 
-    from cluster.serve.app import server_app
+    from cluster.serve.app import APP_NAME, ENGINES_DEPLOYMENT, server_app
 
     ray.init(include_dashboard=False, log_to_driver=True)
-    # `kill` and container stops send SIGTERM: shut down as cleanly as on Ctrl-C
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    raise_on_signals()
+    stopped_by_signal = False
     try:
-        serve.start(http_options={"host": config.host, "port": config.port})
+        serve.start(http_options={"host": config.host, "port": ports.proxy})
         print(f"tandem: loading {config.model} ...", flush=True)
-        serve.run(server_app(config), name="tandem", route_prefix="/")
-        print(f"\ntandem is serving {config.model_name} at {config.url}/v1\n"
-              f"  metrics: {config.url}/metrics   health: {config.url}/health\n"
-              f"try:\n  {config.curl_example()}\n", flush=True)
+        # tandem drains the app itself first; Serve then only waits for the last bytes
+        serve.run(server_app(config, graceful_shutdown_s=STOP_AFTER_DRAIN_S), name=APP_NAME,
+                  route_prefix="/")
+        print(serving_message(config, ports), flush=True)
         while True:
             time.sleep(3600)
-    except KeyboardInterrupt:
-        pass
+    except ShutdownRequested:
+        stopped_by_signal = True
     finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # the shutdown itself is not interrupted
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         print("tandem: shutting down", flush=True)
-        serve.shutdown()
+        if stopped_by_signal:  # also while serve.run still waits: the app may take requests
+            drain_and_stop(config.drain_timeout, APP_NAME, ENGINES_DEPLOYMENT)
+        else:
+            serve.shutdown()
         ray.shutdown()
+
+
+# after the drain: Serve's own wait for each ingress replica's open responses (their last
+# bytes, or those the drain timeout cut off)
+STOP_AFTER_DRAIN_S = 2.0
+
+
+def serving_message(config: ServeConfig, ports: ServePorts) -> str:
+    url = config.url
+    lines = [f"\ntandem is serving {config.model_name} at {url}/v1",
+             f"  metrics: {url}/metrics   health: {url}/health"]
+    if len(ports.http) > 1:
+        lines.append(f"  ingress replicas at ports {ports.http[0]}-{ports.http[-1]} (spread "
+                     f"clients over them); Serve's proxy balances them at port {ports.proxy}, "
+                     "at the cost of a hop")
+    return "\n".join([*lines, f"try:\n  {config.curl_example()}\n"])

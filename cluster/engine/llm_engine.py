@@ -34,6 +34,7 @@ from cluster.engine.outputs import (
     RequestOutput,
     part_ids,
 )
+from cluster.engine.resume import Resume, prime, resumed_sequence
 from cluster.engine.speculation import DraftActorProposer, Speculator
 from cluster.engine.step_builder import StepBuilder
 from cluster.engine.tokenizer import (
@@ -195,32 +196,44 @@ class LLMEngine:
         return apply_chat_template(self.tokenizer, messages)
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
-                    request_id: str | None = None) -> str:
-        """Queues a request; bad input raises ValueError and changes nothing."""
+                    request_id: str | None = None, resume: Resume | None = None) -> str:
+        """Queues a request; bad input raises ValueError and changes nothing. ``resume``: the
+        request was started on a replica that was lost; it continues from what that one sent
+        (resume.py)."""
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise ValueError(f"request id '{request_id}' is already in use")
         prompt_ids = self.tokenize(prompt)
         self.check_prompt(prompt_ids)
+        if resume is not None:
+            resume.check(params)
+            for done in resume.completions:  # the emitted tokens must fit as a prompt does
+                self.check_prompt(prompt_ids + list(done.token_ids))
         seq_ids = part_ids(request_id, params.n)
         text = prompt if isinstance(prompt, str) else None
         try:
             tracker = make_tracker(request_id, text, prompt_ids, params, seq_ids, self.tokenizer)
+            if resume is not None:
+                prime(tracker, resume, params)
         except Exception as error:  # the detokenizer's set-up: the server's fault, not the input's
             log.error("request %s: setting up its detokenizer failed", request_id, exc_info=True)
             raise RequestFailed(failure_message(request_id, "setting up its detokenizer",
                                                 error)) from None
         self.requests[request_id] = tracker
         for index, seq_id in enumerate(seq_ids):
+            done = resume.completions[index] if resume is not None else None
+            if done is not None and done.finish_reason is not None:
+                continue  # this one of n had finished: it has nothing left to run
             seq_params = params
             if params.n > 1 and params.seed is not None:  # distinct, reproducible samples;
                 # modulo 2**64 the generator is the same (manual_seed's two's complement), and
                 # seed + index stays a seed it takes
                 seq_params = replace(params, seed=(params.seed + index) % SEED_END)
             self.seq_to_request[seq_id] = request_id
-            self.scheduler.add(Sequence(seq_id, prompt_ids, seq_params, self.eos_token_ids,
-                                        arrival_time=tracker.metrics.arrival_time))
+            seq = Sequence(seq_id, prompt_ids, seq_params, self.eos_token_ids,
+                           arrival_time=tracker.metrics.arrival_time)
+            self.scheduler.add(seq if done is None else resumed_sequence(seq, done))
         return request_id
 
     def check_prompt(self, prompt_ids: list[int]) -> None:

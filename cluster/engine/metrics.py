@@ -146,3 +146,56 @@ class EngineMetrics:
         self.e2e_latency.observe(e2e_latency)
         if num_generated and e2e_latency > 0:
             self.request_tokens_per_second.observe(num_generated / e2e_latency)
+
+
+# MetricsSnapshot fields by how two snapshots of one replica add up: counters and histograms
+# are summed (what an engine that was replaced had counted stays counted), gauges are the
+# newer snapshot's (what runs now). Every field is in exactly one of these.
+COUNTER_FIELDS = ("prompt_tokens", "generation_tokens", "finished_requests", "preemptions",
+                  "prefix_cache_queries", "prefix_cache_hits", "spec_decode_drafts",
+                  "spec_decode_draft_tokens", "spec_decode_accepted_tokens",
+                  "spec_decode_accepted_per_position", "host_cache_hits", "disk_cache_hits",
+                  "kv_offloaded_bytes", "kv_loaded_bytes")
+HISTOGRAM_FIELDS = ("time_to_first_token", "inter_token_latency", "e2e_latency", "queue_time",
+                    "batch_sizes", "request_tokens_per_second", "kv_load_latency")
+GAUGE_FIELDS = ("num_running", "num_waiting", "batch_size", "kv_blocks_used",
+                "kv_blocks_total", "spec_decode_speedup", "devices", "replica")
+
+
+def empty_snapshot() -> MetricsSnapshot:
+    """What an engine that has done nothing reports: zero counts, empty histograms."""
+    metrics = EngineMetrics()
+    return MetricsSnapshot(
+        metrics.time_to_first_token, metrics.inter_token_latency, metrics.e2e_latency,
+        metrics.queue_time, prompt_tokens=0, generation_tokens=0, finished_requests={},
+        preemptions=0, prefix_cache_queries=0, prefix_cache_hits=0, num_running=0,
+        num_waiting=0, batch_size=0, kv_blocks_used=0, kv_blocks_total=0)
+
+
+def cumulative(earlier: MetricsSnapshot, later: MetricsSnapshot) -> MetricsSnapshot:
+    """``earlier``'s counters and histograms added to ``later``'s, with ``later``'s gauges:
+    one replica's figures across the engines (or processes) it has had, so a rebuild never
+    makes a counter go backwards."""
+    values: dict[str, object] = {name: getattr(later, name) for name in GAUGE_FIELDS}
+    for name in HISTOGRAM_FIELDS:
+        a, b = getattr(earlier, name), getattr(later, name)
+        values[name] = Histogram(b.bounds, [x + y for x, y in zip(a.counts, b.counts,
+                                                                   strict=True)],
+                                 a.total + b.total, a.count + b.count)
+    for name in COUNTER_FIELDS:
+        a, b = getattr(earlier, name), getattr(later, name)
+        if isinstance(a, dict):
+            values[name] = {key: a.get(key, 0) + b.get(key, 0) for key in {*a, *b}}
+        elif isinstance(a, tuple):
+            longest = max(len(a), len(b))
+            values[name] = tuple((a[i] if i < len(a) else 0) + (b[i] if i < len(b) else 0)
+                                 for i in range(longest))
+        else:
+            values[name] = a + b
+    return MetricsSnapshot(**values)  # type: ignore[arg-type]
+
+
+def idle(snapshot: MetricsSnapshot) -> MetricsSnapshot:
+    """The snapshot with its gauges at rest: what a replica without an engine runs (nothing),
+    its counts kept."""
+    return cumulative(snapshot, empty_snapshot())

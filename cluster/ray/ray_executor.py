@@ -98,6 +98,10 @@ class RayExecutor:
         stats = self._all(lambda actor: actor.device_stats.remote())
         return [shard for shard in stats if shard is not None]
 
+    def ping(self) -> list:
+        """One small call to every shard, as object refs to await: a dead shard's raises."""
+        return [actor.pid.remote() for actor in self.actors]
+
     def shard_pids(self) -> list[int]:
         return self._all(lambda actor: actor.pid.remote())
 

@@ -12,19 +12,32 @@ one thread at a time while a step runs in a worker thread. After each step the b
 entered or left the prefix cache go to the router as one numbered batch (not awaited), which
 keeps the cluster's KV directory; a router that missed one asks for ``dump_cache``.
 
-If a shard dies, every in-flight request fails with a clear error and the replica rebuilds its
-engine (new shard actors, new process group, a new KV epoch: the router forgets its blocks).
+If a shard dies (found by a failed step, or by the health monitor's ping while idle), every
+in-flight request ends with ``ReplicaFailure``, which the ingress answers by continuing it on
+another replica (failover.py), and the replica rebuilds its engine (new shard actors, new
+process group, a new KV epoch: the router forgets its blocks). What the old engine counted is
+kept (``retired``), so the replica's counters never go backwards.
 """
 
 import asyncio
+import itertools
 import logging
+import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 
 from cluster.engine.config import EngineConfig
 from cluster.engine.llm_engine import LLMEngine
-from cluster.engine.metrics import LoadSample, MetricsSnapshot
+from cluster.engine.metrics import (
+    LoadSample,
+    MetricsSnapshot,
+    cumulative,
+    empty_snapshot,
+    idle,
+)
 from cluster.engine.outputs import EngineStats, RequestDelta
+from cluster.engine.resume import Resume
+from cluster.ray.heartbeat import Heartbeat
 from cluster.ray.ray_executor import ShardFailure
 from kvstore.directory import CacheDump
 from router.sampling_params import SamplingParams
@@ -45,8 +58,15 @@ class ReplicaActor:
         self.config = replace(config, distributed_executor_backend="ray")
         self.replica_id = replica_id
         self.router = router  # the RouterActor's handle, or None
+        self.incarnation = uuid.uuid4().hex  # this process's (heartbeat.py)
+        self.snapshots = itertools.count()
+        self.retired = empty_snapshot()  # what engines this process replaced had counted
         self.engine: LLMEngine | None = self._new_engine()
         self.dead_reason: str | None = None
+        # an engine found broken outside a step (a shard that no longer answers a ping): the
+        # step loop rebuilds it, the one place that does, so a step failing at the same time
+        # cannot cause a second rebuild
+        self.broken: tuple[LLMEngine, str] | None = None
         self.ready = asyncio.Event()  # cleared while the engine is being rebuilt
         self.ready.set()
         self.consumers: dict[str, asyncio.Queue[tuple[str, RequestDelta | Exception]]] = {}
@@ -92,9 +112,9 @@ class ReplicaActor:
                 await self.abort(request_id)
 
     async def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                     consumer_id: str) -> None:
+                     consumer_id: str, resume: Resume | None = None) -> None:
         """Queues a request; its deltas go to ``consumer_id``'s stream. Bad input raises here,
-        before anything is queued."""
+        before anything is queued. ``resume``: it continues what a lost replica started."""
         await self.ready.wait()  # a request that arrives during a rebuild waits for it
         engine = self._engine()
         engine.check_prompt(prompt_ids)
@@ -102,7 +122,8 @@ class ReplicaActor:
             raise ValueError(f"request id '{request_id}' is already in use")
         self.consumers.setdefault(consumer_id, asyncio.Queue())  # subscribe may come second
         self.owners[request_id] = consumer_id
-        self._submit(request_id, lambda: engine.add_request(prompt_ids, params, request_id))
+        self._submit(request_id,
+                     lambda: engine.add_request(prompt_ids, params, request_id, resume))
 
     async def abort(self, request_id: str) -> None:
         self.owners.pop(request_id, None)
@@ -125,6 +146,9 @@ class ReplicaActor:
         """Runs ``operation`` between steps; an error goes to ``on_error``, else to the
         request's caller."""
         self.pending.append((request_id, operation, on_error))
+        self._wake()
+
+    def _wake(self) -> None:
         if self.loop_task is None:
             self.wakeup = asyncio.Event()
             self.loop_task = asyncio.get_running_loop().create_task(self._step_loop())
@@ -134,9 +158,14 @@ class ReplicaActor:
     async def _step_loop(self) -> None:
         assert self.wakeup is not None
         while True:
-            if not self.pending and not (self.engine and self.engine.has_unfinished()):
+            if not self.pending and not self.broken and not (
+                    self.engine and self.engine.has_unfinished()):
                 self.wakeup.clear()
                 await self.wakeup.wait()
+            if self.broken is not None:
+                broken, self.broken = self.broken, None
+                if broken[0] is self.engine:  # else a failed step has rebuilt it already
+                    await self._recover(broken[1])
             self._apply_pending()
             if self.engine is None or not self.engine.has_unfinished():
                 continue
@@ -202,6 +231,7 @@ class ReplicaActor:
         self.dead_reason = message
         self.ready.clear()
         if old is not None:
+            self.retired = idle(cumulative(self.retired, old.metrics_snapshot()))
             await asyncio.to_thread(old.shutdown)
         try:
             self.engine = await asyncio.to_thread(self._new_engine)
@@ -218,14 +248,38 @@ class ReplicaActor:
             raise ReplicaFailure(self.dead_reason or f"replica {self.replica_id} has no engine")
         return self.engine
 
-    async def check_health(self) -> None:
-        self._engine()
+    async def heartbeat(self, timeout_s: float) -> Heartbeat:
+        """The health monitor's ping: pings every shard too, and a dead one makes the replica
+        rebuild now rather than when the next request's step fails."""
+        return Heartbeat(self.incarnation, next(self.snapshots), await self.metrics(),
+                         await self._problem(timeout_s))
+
+    async def _problem(self, timeout_s: float) -> str | None:
+        engine = self.engine
+        if engine is None:
+            return self.dead_reason or f"replica {self.replica_id} has no engine"
+        try:
+            await asyncio.wait_for(asyncio.gather(*engine.executor.ping()),  # type: ignore[attr-defined]
+                                   timeout_s)
+        except TimeoutError:  # busy or hung: reported, but not rebuilt on a guess
+            return f"replica {self.replica_id}: a shard did not answer within {timeout_s} s"
+        except Exception as error:  # a dead shard actor
+            message = f"lost a shard and is rebuilding: {type(error).__name__}"
+            if self.engine is engine and self.broken is None:
+                self.broken = (engine, message)
+                self._wake()
+            return f"replica {self.replica_id} {message}"
+        return None
 
     async def stats(self) -> EngineStats:
         return self._engine().stats()
 
     async def metrics(self) -> MetricsSnapshot:
-        return self._engine().metrics_snapshot()
+        """Counters and histograms since this process started, across engine rebuilds; the
+        gauges of the engine running now (zero while it is rebuilt)."""
+        if self.engine is None:
+            return self.retired
+        return cumulative(self.retired, self.engine.metrics_snapshot())
 
     async def load_sample(self) -> LoadSample:
         """The autoscaler's signals, each second: no histogram copies, no shard calls."""

@@ -16,6 +16,10 @@ from cluster.engine.outputs import RequestDelta
 Item = RequestDelta | BaseException
 
 
+class StreamClosed(RuntimeError):
+    """The replica's stream ended though requests were still on it: its actor is gone."""
+
+
 class ReplicaStream:
     def __init__(self, replica) -> None:  # type: ignore[no-untyped-def]
         self.consumer_id = uuid.uuid4().hex  # one per stream: a stream is never shared
@@ -35,7 +39,7 @@ class ReplicaStream:
         self.queues.pop(request_id, None)
 
     async def _pump(self) -> None:
-        error: BaseException = RuntimeError("the replica closed its stream")
+        error: BaseException = StreamClosed("the replica closed its stream")
         try:
             async for ref in self._refs:
                 for request_id, item in await ref:

@@ -2,14 +2,16 @@
 
 Replicas push their KV event batches here after each step, without waiting; the answer to a
 batch says whether the directory needs that replica's cache dump (after a gap), which the
-replica then sends. The router never calls a replica.
+replica then sends. The router never calls a replica: the health monitor tells it which are
+up (replica_monitor.py), ingresses tell it which requests moved after a loss.
 """
 
 from collections.abc import Sequence
 
 from kvstore.block_hash import BlockHash
 from kvstore.directory import CacheDump, EventBatch
-from router.replica_router import ReplicaRouter, RouterStats
+from router.admission import AdmissionLimits, Refusal
+from router.replica_router import ClusterHealth, ReplicaRouter, RouterStats
 
 # A restarted router starts with an empty directory and no loads: both rebuild themselves (the
 # replicas' next batches show it gaps, so each sends its dump), so Ray may restart it freely.
@@ -17,14 +19,34 @@ ROUTER_ACTOR_OPTIONS = {"max_restarts": -1, "num_cpus": 0}
 
 
 class RouterActor:
-    def __init__(self, num_replicas: int, policy: str = "prefix-affinity") -> None:
-        self.router = ReplicaRouter(num_replicas, policy)
+    def __init__(self, num_replicas: int, policy: str = "prefix-affinity",
+                 limits: AdmissionLimits | None = None) -> None:
+        self.router = ReplicaRouter(num_replicas, policy, limits=limits)
         self.handles: dict[int, object] = {}  # replica index -> actor handle (sync_replicas)
 
     async def assign(self, request_id: str, block_hashes: Sequence[BlockHash],
-                     num_prompt_tokens: int, block_size: int) -> int:
-        return self.router.assign(request_id, block_hashes, num_prompt_tokens,
-                                  block_size).replica
+                     num_prompt_tokens: int, block_size: int, exclude: Sequence[int] = (),
+                     resumed: bool = False) -> int | Refusal:
+        """The replica's index, or why none takes it (a value, not an exception: refusals
+        are routine under overload and cost no traceback here)."""
+        decision = self.router.assign(request_id, block_hashes, num_prompt_tokens, block_size,
+                                      exclude, resumed)
+        return decision if isinstance(decision, Refusal) else decision.replica
+
+    async def lost(self, request_id: str, replica: int, process_died: bool) -> None:
+        self.router.lost(request_id, replica, process_died)
+
+    async def set_health(self, alive: list[bool]) -> None:
+        self.router.set_health(alive)
+
+    async def health(self) -> ClusterHealth:
+        return self.router.health()
+
+    async def drain_all(self) -> int:
+        return self.router.drain_all()
+
+    async def num_in_flight(self) -> int:
+        return self.router.num_in_flight
 
     async def first_token(self, request_id: str) -> None:
         self.router.first_token(request_id)

@@ -6,13 +6,19 @@
 
 Each replica is a ``ReplicaActor`` with its own tensor-parallel shard actors; the
 ``RouterActor`` picks the replica for each request from the prompt's block hashes (computed
-here, with the engines' block size and extra keys) and the replicas' loads. Stopping the
+here, with the engines' block size and extra keys) and the replicas' loads, or refuses it when
+every queue is full (``Overloaded``) or the server drains (``Draining``). A request whose
+replica is lost continues on another (failover.py); the ``ReplicaMonitor`` pings every replica
+and its shards each period, tells the router which are up, and keeps the metrics. Stopping the
 iteration early (a client that disconnected) aborts the request on its replica, which frees its
 KV blocks at once.
 """
 
+import asyncio
 import logging
-from collections.abc import AsyncIterator, Sequence
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from contextlib import aclosing
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,14 +27,20 @@ import ray
 from cluster.engine.config import EngineConfig
 from cluster.engine.metrics import MetricsSnapshot
 from cluster.engine.outputs import EngineStats, OutputAccumulator, RequestOutput
+from cluster.engine.resume import Resume
 from cluster.ray.autoscaler import ReplicaAutoscaler
+from cluster.ray.failover import ReplicaLost, process_died, with_failover
+from cluster.ray.refusals import Draining, Overloaded, Unavailable
 from cluster.ray.replica import REPLICA_ACTOR_OPTIONS, ReplicaActor
+from cluster.ray.replica_monitor import MONITOR_ACTOR_OPTIONS, ReplicaMonitor
 from cluster.ray.replica_streams import ReplicaStream
 from cluster.ray.router_actor import ROUTER_ACTOR_OPTIONS, RouterActor
-from kvstore.block_hash import ExtraKeys, hash_full_blocks
+from cluster.ray.serving_policy import ServingPolicy
+from kvstore.block_hash import BlockHash, ExtraKeys, hash_full_blocks
+from router.admission import Refusal
 from router.autoscale import AutoscalingPolicy
 from router.placement import POLICIES
-from router.replica_router import RouterStats
+from router.replica_router import ClusterHealth, RouterStats
 from router.sampling_params import SamplingParams
 from workers.catalog import resolve_model
 
@@ -45,6 +57,8 @@ class ClusterHandles:
     model_path: str
     max_model_len: int
     kv_hash_keys: tuple[int, ExtraKeys]  # the engines' block size and extra keys
+    monitor: object = None  # the ReplicaMonitor's handle
+    policy: ServingPolicy = ServingPolicy()
 
 
 class ReplicaGone(RuntimeError):
@@ -57,7 +71,8 @@ class TandemCluster:
 
     def __init__(self, config: EngineConfig, num_replicas: int = 1,
                  routing: str = "prefix-affinity",
-                 autoscaling: AutoscalingPolicy | None = None) -> None:
+                 autoscaling: AutoscalingPolicy | None = None,
+                 policy: ServingPolicy | None = None) -> None:
         """``autoscaling``: add and remove replicas with the load, between its bounds
         (``num_replicas`` is the count to start with)."""
         if num_replicas < 1:
@@ -70,9 +85,10 @@ class TandemCluster:
         # pull once here, not in every replica at the same time
         resolve_model(config.model, config.cache_dir)
         self.config = config
+        self.policy = policy = policy or ServingPolicy()
         self._streams: dict[int, ReplicaStream] = {}  # by replica index
         self.router = ray.remote(RouterActor).options(**ROUTER_ACTOR_OPTIONS).remote(
-            num_replicas, routing
+            num_replicas, routing, policy.admission
         )
         self.replicas = [
             ray.remote(ReplicaActor).options(**REPLICA_ACTOR_OPTIONS).remote(
@@ -83,6 +99,10 @@ class TandemCluster:
         self.model_path = resolve_model(str(infos[0]["model_path"]), config.cache_dir)
         self.max_model_len = min(int(info["max_model_len"]) for info in infos)  # type: ignore[call-overload]
         self.kv_hash_keys = infos[0]["kv_hash_keys"]
+        # started once every replica is up, so its first round finds them whole
+        self.monitor = ray.remote(ReplicaMonitor).options(**MONITOR_ACTOR_OPTIONS).remote(
+            self.replicas, self.router, policy.health_check_period_s,
+            policy.health_check_timeout_s)
         ray.get(self.router.sync_replicas.remote(dict(enumerate(self.replicas))))
         self.autoscaler: ReplicaAutoscaler | None = None
         if autoscaling is not None:
@@ -91,7 +111,7 @@ class TandemCluster:
 
     def handles(self) -> ClusterHandles:
         return ClusterHandles(list(self.replicas), self.router, str(self.model_path),
-                              self.max_model_len, self.kv_hash_keys)
+                              self.max_model_len, self.kv_hash_keys, self.monitor, self.policy)
 
     # -- the autoscaler's hooks (cluster/ray/autoscaler.py); indices are never reused -------
 
@@ -105,6 +125,8 @@ class TandemCluster:
             self.config, index, self.router)
         self.replicas.append(replica)
         ray.get(self.router.sync_replicas.remote(self.replica_handles()))
+        # watched from now: down (degraded health) until its engine answers
+        ray.get(self.monitor.set_replicas.remote(list(self.replicas)))
         return index, replica.info.remote()
 
     def replica_handles(self) -> dict[int, object]:
@@ -114,6 +136,7 @@ class TandemCluster:
         """Stops a replica (drained first: see ``ReplicaAutoscaler``) and forgets it."""
         replica, self.replicas[index] = self.replicas[index], None
         ray.get(self.router.remove_replica.remote(index))
+        ray.get(self.monitor.set_replicas.remote(list(self.replicas)))
         try:
             ray.get(replica.shutdown.remote(), timeout=timeout_s)  # its shards and their group
         except (ray.exceptions.RayError, TimeoutError) as error:
@@ -128,6 +151,7 @@ class TandemCluster:
         view.replicas, view.router = list(handles.replicas), handles.router
         view.model_path, view.max_model_len = Path(handles.model_path), handles.max_model_len
         view.kv_hash_keys = handles.kv_hash_keys
+        view.monitor, view.policy = handles.monitor, handles.policy
         view.owns_actors = False
         view._streams = {}
         return view
@@ -138,16 +162,38 @@ class TandemCluster:
         block_size, extra_keys = self.kv_hash_keys
         salt = (params.cache_salt,) if params.cache_salt else ()
         hashes = hash_full_blocks(prompt_ids, block_size, tuple(extra_keys) + salt)
-        index = await self.router.assign.remote(request_id, hashes, len(prompt_ids), block_size)
+        accumulator = OutputAccumulator()  # one for all attempts: the caller's one stream
+
+        def attempt(resume: Resume | None,
+                    lost: frozenset[int]) -> AsyncGenerator[RequestOutput, None]:
+            return self._attempt(request_id, list(prompt_ids), params, hashes, accumulator,
+                                 resume, lost)
+
+        async with aclosing(with_failover(request_id, attempt, accumulator,
+                                          self.policy)) as outputs:
+            async for output in outputs:
+                yield output
+
+    async def _attempt(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                       hashes: list[BlockHash], accumulator: OutputAccumulator,
+                       resume: Resume | None, lost: frozenset[int]
+                       ) -> AsyncGenerator[RequestOutput, None]:
+        """The request on one replica, from ``resume`` when it continues after a loss; a loss
+        of that replica raises ``ReplicaLost``."""
+        index = await self.router.assign.remote(request_id, hashes, len(prompt_ids),
+                                                self.kv_hash_keys[0], sorted(lost), bool(lost))
+        if isinstance(index, Refusal):
+            raise self._refusal(index)
         replica = self.replicas[index] if index < len(self.replicas) else None
         if replica is None:  # the autoscaler added it after this view last looked
             replica = await self._refresh_replicas(index)
         stream = self._stream(index)
         queue = stream.open(request_id)
         finished = started = False
-        accumulator = OutputAccumulator()
+        loss: ReplicaLost | None = None
         try:
-            await replica.submit.remote(request_id, list(prompt_ids), params, stream.consumer_id)
+            await replica.submit.remote(request_id, prompt_ids, params, stream.consumer_id,
+                                        resume)
             while not finished:
                 # what queued up while the caller was busy leaves as one output: a consumer
                 # that falls behind catches up instead of falling further behind
@@ -163,9 +209,12 @@ class TandemCluster:
                     started = True  # its prefill is done: the router stops counting it
                     self.router.first_token.remote(request_id)
                 yield output
-        except (ray.exceptions.ActorDiedError, ray.exceptions.ActorUnavailableError):
-            self.router.replica_down.remote(index)  # its restart reports it up again
-            raise
+        except Exception as error:
+            died = process_died(error)
+            if died is None:
+                raise
+            loss = ReplicaLost(index, error, died)
+            raise loss from error
         finally:
             stream.close(request_id)
             try:
@@ -174,7 +223,18 @@ class TandemCluster:
             except ray.exceptions.RayError:
                 pass  # the replica died or is restarting: the request went with its process
             finally:
-                await self.router.release.remote(request_id)
+                if loss is not None:  # placed again by the next attempt, counted a failover
+                    await self.router.lost.remote(request_id, index, loss.process_died)
+                else:
+                    await self.router.release.remote(request_id)
+
+    def _refusal(self, refusal: Refusal) -> Unavailable:
+        retry = self.policy.retry_after_s
+        if refusal.reason == "draining":
+            return Draining("The server is shutting down and takes no new requests: retry "
+                            "the request (another replica of the service may take it).", retry)
+        return Overloaded("The server is overloaded (every engine replica's queue is full): "
+                          "retry the request later.", retry)
 
     def _stream(self, index: int) -> ReplicaStream:
         """This process's stream from replica ``index``, opened on first use, and again after
@@ -187,14 +247,28 @@ class TandemCluster:
     async def abort(self, request_id: str) -> None:
         await self._on_all("abort", request_id)
 
-    async def check_health(self) -> None:
-        await self._on_all("check_health")
+    async def health(self) -> ClusterHealth:
+        """The health monitor's last view of every replica (through the router)."""
+        return await self.router.health.remote()
 
     async def stats(self) -> list[EngineStats]:
         return await self._on_all("stats")
 
     async def metrics(self) -> list[MetricsSnapshot]:
-        return await self._on_all("metrics")
+        """Every replica's figures now, monotonic across its rebuilds and restarts."""
+        if not self.owns_actors:  # the owner's autoscaler may have added or removed some
+            await self._refresh_replicas()
+        return await self.monitor.metrics.remote()
+
+    async def drain(self, timeout_s: float, poll_s: float = 0.1) -> int:
+        """Refuses new requests, then waits up to ``timeout_s`` for those in flight to finish;
+        returns how many were still running at the end."""
+        in_flight = await self.router.drain_all.remote()
+        deadline = time.monotonic() + timeout_s
+        while in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(poll_s)
+            in_flight = await self.router.num_in_flight.remote()
+        return in_flight
 
     async def router_stats(self) -> RouterStats:
         return await self.router.stats.remote()
@@ -218,6 +292,7 @@ class TandemCluster:
     def shutdown(self) -> None:
         if not self.owns_actors:
             return
+        ray.kill(self.monitor)  # first: it would see the replicas stop and report them down
         starting: set[int] = set()
         if self.autoscaler is not None:
             self.autoscaler.stop()

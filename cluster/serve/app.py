@@ -30,7 +30,10 @@ from starlette.exceptions import HTTPException
 
 from cluster.engine.tokenizer import load_tokenizer
 from cluster.serve.config import ServeConfig, load_config
+from cluster.serve.deadlines import HEADER as DEADLINE_HEADER
+from cluster.serve.deadlines import deadline_of
 from cluster.serve.failures import not_ready, server_error
+from cluster.serve.health import health_response
 from cluster.serve.http_guards import APIKeyGuard, BodyLimit
 from cluster.serve.openai_errors import APIError, from_validation_errors
 from cluster.serve.openai_service import OpenAIService
@@ -46,13 +49,16 @@ def build_app(service: OpenAIService, config: ServeConfig) -> FastAPI:
     app = FastAPI(title="tandem", description="OpenAI-compatible API of a tandem cluster")
     cluster = service.cluster
 
+    def deadline(raw: Request) -> float | None:
+        return deadline_of(raw.headers.get(DEADLINE_HEADER), config.request_timeout)
+
     @app.post("/v1/completions")
-    async def completions(request: CompletionRequest) -> Response:
-        return respond(await service.completions(request))
+    async def completions(request: CompletionRequest, raw: Request) -> Response:
+        return respond(await service.completions(request, deadline(raw)))
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(request: ChatCompletionRequest) -> Response:
-        return respond(await service.chat(request))
+    async def chat_completions(request: ChatCompletionRequest, raw: Request) -> Response:
+        return respond(await service.chat(request, deadline(raw)))
 
     @app.get("/v1/models")
     async def models() -> Response:
@@ -65,10 +71,10 @@ def build_app(service: OpenAIService, config: ServeConfig) -> FastAPI:
     @app.get("/health")
     async def health() -> Response:
         try:
-            await cluster.check_health()
-        except Exception as error:  # a dead engine, or a replica actor that is gone
+            state = await cluster.health()
+        except Exception as error:  # the router is gone or restarting
             return not_ready(error).response()
-        return Response(status_code=200)
+        return health_response(state, config.retry_after)
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -117,10 +123,15 @@ def start_cluster(config: ServeConfig) -> "TandemCluster":
     from cluster.ray.tandem_cluster import TandemCluster
 
     return TandemCluster(config.engine_config(), num_replicas=config.initial_replicas,
-                         routing=config.routing, autoscaling=config.autoscaling)
+                         routing=config.routing, autoscaling=config.autoscaling,
+                         policy=config.serving_policy())
 
 
-@serve.deployment(name="tandem-engines", num_replicas=1, ray_actor_options={"num_cpus": 0})
+APP_NAME = "tandem"  # the application `tandem serve` runs
+ENGINES_DEPLOYMENT = "tandem-engines"
+
+
+@serve.deployment(name=ENGINES_DEPLOYMENT, num_replicas=1, ray_actor_options={"num_cpus": 0})
 class EngineHost:
     """Starts the cluster (router and engine replica actors) and owns it while the app lives."""
 
@@ -151,11 +162,16 @@ class TandemServer:
         return build_app(self.service, self.config)
 
 
-def server_app(config: ServeConfig) -> Application:
+def server_app(config: ServeConfig, graceful_shutdown_s: float | None = None) -> Application:
+    """``graceful_shutdown_s``: how long a stopping ingress replica waits for its open
+    requests; by default ``drain_timeout`` (Serve's own drain, as under KubeRay); `tandem serve`
+    drains the app itself first and passes a short one."""
     engines = EngineHost.bind(config)
     return TandemServer.options(
         num_replicas=config.num_ingress_replicas,
         max_ongoing_requests=config.max_ongoing_requests,
+        graceful_shutdown_timeout_s=(config.drain_timeout if graceful_shutdown_s is None
+                                     else graceful_shutdown_s),
     ).bind(config, engines)
 
 

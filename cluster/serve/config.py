@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from cluster import environment
 from cluster.engine.config import DEFAULT_MODEL, EngineConfig
+from cluster.ray.serving_policy import ServingPolicy
 from router.autoscale import AutoscalingPolicy
 
 AUTO_GPU_INGRESS_REPLICAS = 4
@@ -37,6 +38,22 @@ class ServeConfig(BaseModel):
     max_body_bytes: int = Field(4 << 20, ge=1024, description="Larger request bodies get 413.")
     max_ongoing_requests: int = Field(1024, ge=1, description="Requests the ingress accepts "
                                       "at once.")
+    max_waiting_requests: int = Field(0, ge=0, description="Per engine replica, requests "
+                                      "without a first token yet; past it on every replica a new "
+                                      "request gets 503 with Retry-After at once. 0: no limit.")
+    max_waiting_tokens: int = Field(0, ge=0, description="Per engine replica, the prompt tokens "
+                                    "of those requests; the same 503 past it. 0: no limit.")
+    retry_after: int = Field(2, ge=1, description="Seconds a 503 (overloaded, draining, no "
+                             "replica) asks the client to wait: its Retry-After header.")
+    request_timeout: float = Field(0.0, ge=0, description="Seconds a request may take before "
+                                   "it is stopped (504); a client's X-Request-Timeout header "
+                                   "may ask for less. 0: no limit.")
+    failover_timeout: float = Field(30.0, gt=0, description="Seconds a request whose replica "
+                                    "was lost keeps looking for one to continue on (then 503).")
+    health_check_period: float = Field(1.0, gt=0, description="Seconds between pings of every "
+                                       "replica and its shards.")
+    drain_timeout: float = Field(30.0, ge=0, description="On SIGTERM or Ctrl-C, seconds the "
+                                 "requests in flight get to finish (`tandem serve`).")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="The weights' and activations' dtype.")
     kv_cache_dtype: Literal["auto", "int8", "fp8"] = Field(
@@ -144,6 +161,13 @@ class ServeConfig(BaseModel):
             host_kv_cache_gb=self.host_kv_cache_gb, disk_kv_cache_dir=self.disk_kv_cache_dir,
             disk_kv_cache_gb=self.disk_kv_cache_gb,
         )
+
+    def serving_policy(self) -> ServingPolicy:
+        return ServingPolicy(
+            max_waiting_requests=self.max_waiting_requests,
+            max_waiting_tokens=self.max_waiting_tokens, retry_after_s=self.retry_after,
+            failover_timeout_s=self.failover_timeout,
+            health_check_period_s=self.health_check_period)
 
     def curl_example(self) -> str:
         auth = f" -H 'Authorization: Bearer {self.api_key}'" if self.api_key else ""

@@ -12,10 +12,16 @@ import uuid
 import ray
 
 from cluster.engine.outputs import RequestFailed
+from cluster.ray.refusals import Unavailable
 from cluster.ray.replica import ReplicaFailure
+from cluster.serve.deadlines import DeadlineExceeded
 from cluster.serve.openai_errors import APIError, bad_request
 
 log = logging.getLogger(__name__)
+
+# a replica lost under a request that could not be continued: it is back in seconds (a rebuild
+# or a restart), so the client may retry soon
+LOST_REPLICA_RETRY_AFTER_S = 5
 
 
 def as_api_error(error: BaseException, param: str | None = None) -> APIError:
@@ -23,6 +29,12 @@ def as_api_error(error: BaseException, param: str | None = None) -> APIError:
     (the input was refused; ``param`` names the field); otherwise a 5xx, logged in full."""
     if isinstance(error, APIError):
         return error
+    cause = root_cause(error)
+    if isinstance(cause, Unavailable):  # its message is ours, written for the client
+        return APIError(503, str(cause), type="service_unavailable", code=cause.code,
+                        retry_after_s=cause.retry_after_s)
+    if isinstance(cause, DeadlineExceeded):
+        return APIError(504, str(cause), type="timeout_error", code="deadline_exceeded")
     message = client_message(error)
     if message is not None:
         return bad_request(message, param)
@@ -52,17 +64,19 @@ def server_error(error: BaseException) -> APIError:
     if any(isinstance(e, ReplicaFailure | ray.exceptions.RayActorError) for e in (error, cause)):
         return APIError(503, "The engine replica running this request failed and is being "
                         f"restarted: retry the request (error reference {reference}).",
-                        type="service_unavailable")
+                        type="service_unavailable", retry_after_s=LOST_REPLICA_RETRY_AFTER_S)
     return APIError(500, f"The server failed while running this request (error reference "
                     f"{reference}); its log has the details.", type="server_error")
 
 
 def not_ready(error: BaseException) -> APIError:
-    """/health's 503: the replica's reason goes to the log, not into the body."""
+    """/health's 503 when the cluster's state could not be read: the reason goes to the log,
+    not into the body."""
     reference = uuid.uuid4().hex[:12]
     log.warning("health check failed (error reference %s): %s", reference, error)
     return APIError(503, f"The engine is not ready: a replica is down or restarting (error "
-                    f"reference {reference}).", type="service_unavailable")
+                    f"reference {reference}).", type="service_unavailable",
+                    retry_after_s=LOST_REPLICA_RETRY_AFTER_S)
 
 
 def root_cause(error: BaseException) -> BaseException:

@@ -18,13 +18,17 @@ class APIError(Exception):
     """A request the server refuses; becomes a JSON error body with this HTTP status."""
 
     def __init__(self, status: int, message: str, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None) -> None:
+                 param: str | None = None, code: str | None = None,
+                 retry_after_s: int | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.info = ErrorInfo(message=message, type=type, param=param, code=code)
+        self.retry_after_s = retry_after_s  # a 503's Retry-After header, in seconds
 
     def response(self) -> Response:
-        return Response(self.body(), status_code=self.status, media_type="application/json")
+        headers = None if self.retry_after_s is None else {"Retry-After": str(self.retry_after_s)}
+        return Response(self.body(), status_code=self.status, media_type="application/json",
+                        headers=headers)
 
     def sse_event(self) -> str:
         return f"data: {self.body()}\n\n"

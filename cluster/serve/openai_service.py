@@ -12,6 +12,7 @@ from transformers import PreTrainedTokenizerBase
 
 from cluster.engine.outputs import RequestOutput, part_ids
 from cluster.engine.tokenizer import apply_chat_template
+from cluster.serve.deadlines import bounded
 from cluster.serve.failures import as_api_error
 from cluster.serve.openai_errors import bad_request, model_not_found
 from cluster.serve.openai_format import chat_choices, completion_choices, usage
@@ -51,7 +52,9 @@ class OpenAIService:
         return ModelCard(id=self.model_name, created=self.created,
                          max_model_len=self.cluster.max_model_len)
 
-    async def completions(self, request: CompletionRequest) -> CompletionResponse | Events:
+    async def completions(self, request: CompletionRequest,
+                          deadline: float | None = None) -> CompletionResponse | Events:
+        """``deadline``: the ``time.monotonic()`` it must end by (deadlines.py), or None."""
         check_utf8(request)  # first: every later message may quote the request's strings
         self._check_model(request.model)
         self._check_unsupported(request)
@@ -63,7 +66,7 @@ class OpenAIService:
         params = [self._params(request, request.max_tokens, "max_tokens", request.logprobs, ids,
                                "prompt") for ids in prompts]
         request_id = new_id("cmpl")
-        stream = await self._start(request_id, prompts, params)
+        stream = await self._start(request_id, prompts, params, deadline)
         echoes = None
         if request.echo:  # decoded once the engine has found the ids in its vocabulary: the
             try:  # tokenizer overflows on others (a negative one), a 500
@@ -80,7 +83,8 @@ class OpenAIService:
             choices=completion_choices(self.tokenizer, outputs, request.n, echoes),
         )
 
-    async def chat(self, request: ChatCompletionRequest) -> ChatCompletionResponse | Events:
+    async def chat(self, request: ChatCompletionRequest,
+                   deadline: float | None = None) -> ChatCompletionResponse | Events:
         check_utf8(request)
         self._check_model(request.model)
         self._check_unsupported(request)
@@ -96,7 +100,7 @@ class OpenAIService:
         params = self._params(request, request.max_new_tokens, limit_name, request.num_logprobs,
                               ids, "messages")
         request_id = new_id("chatcmpl")
-        stream = await self._start(request_id, [ids], [params])
+        stream = await self._start(request_id, [ids], [params], deadline)
         if request.stream:
             return chat_events(stream, self._context(request_id, request, [ids]))
         outputs = await self._finish(stream, 1)
@@ -173,14 +177,14 @@ class OpenAIService:
     # -- running ------------------------------------------------------------------------------
 
     async def _start(self, request_id: str, prompts: list[list[int]],
-                     params: list[SamplingParams]) -> Stream:
+                     params: list[SamplingParams], deadline: float | None) -> Stream:
         """Starts one cluster request per prompt and waits for the first output, so an error
         the engine finds in a prompt becomes a 400 before any response is sent."""
         ids = part_ids(request_id, len(prompts))
         streams = [self.cluster.generate(p, sp, rid)
                    for p, sp, rid in zip(prompts, params, ids, strict=True)]
         try:
-            return await prefetch(merge_streams(streams))
+            return await prefetch(bounded(merge_streams(streams), deadline))
         except Exception as error:  # the engine's prompt checks: a 400; else the server's
             raise as_api_error(error, "prompt") from error
 

@@ -74,6 +74,10 @@ ROUTER_METRICS = {  # name -> help; the router's, from its RouterStats
     "its cache dump.",
     "kv_event_lag_seconds": "The last KV event batch: from its engine step's end to the router.",
     "router_requests_in_flight": "Requests the router placed on each replica, not finished.",
+    "request_failovers_total": "Requests continued on another replica after theirs was lost "
+    "(a shard or the replica's process died).",
+    "requests_rejected_total": "Requests refused with a 503 before reaching a replica, by "
+    "reason: overloaded (every queue full), draining (shutting down).",
 }
 GPU_LABELS = [*LABELS, "rank"]
 GPU_GAUGES = {  # name -> (DeviceStats field, help); from each shard's device, none on the CPU
@@ -85,6 +89,7 @@ GPU_GAUGES = {  # name -> (DeviceStats field, help); from each shard's device, n
     "gpu_memory_reserved_bytes": ("memory_reserved_bytes", "Memory the shard's PyTorch "
                                   "allocator holds: weights, KV cache, activations."),
 }
+REJECTION_REASONS = ("overloaded", "draining")
 # every name /metrics exposes (counters with their _total suffix), for docs and tests
 METRIC_NAMES = (
     [PREFIX + name for name in HISTOGRAMS]
@@ -229,6 +234,16 @@ class RouterCollector(Collector):
                                       docs["kv_directory_resyncs_total"], labels=["model_name"])
         resyncs.add_metric(model, stats.resyncs)
         yield resyncs
+        failovers = CounterMetricFamily(PREFIX + "request_failovers",
+                                        docs["request_failovers_total"], labels=["model_name"])
+        failovers.add_metric(model, stats.failovers)
+        yield failovers
+        rejected = CounterMetricFamily(PREFIX + "requests_rejected",
+                                       docs["requests_rejected_total"],
+                                       labels=["model_name", "reason"])
+        for reason in REJECTION_REASONS:
+            rejected.add_metric([*model, reason], stats.rejected.get(reason, 0))
+        yield rejected
         lag = GaugeMetricFamily(PREFIX + "kv_event_lag_seconds", docs["kv_event_lag_seconds"],
                                 labels=["model_name"])
         lag.add_metric(model, stats.event_lag_s if stats.event_lag_s is not None else 0.0)

@@ -95,66 +95,101 @@ def test_two_replicas_serve_concurrent_streams(ray_session, tiny_models):
         cluster.shutdown()
 
 
-def test_a_dead_shard_fails_its_requests_clearly_and_the_replica_recovers(ray_session,
-                                                                         tiny_models):
+def counts(snapshot) -> dict[str, float]:
+    """A snapshot's counters and histogram counts, by name: what must never go backwards."""
+    from cluster.engine.metrics import COUNTER_FIELDS, HISTOGRAM_FIELDS
+
+    values: dict[str, float] = {}
+    for name in COUNTER_FIELDS:
+        value = getattr(snapshot, name)
+        items = value.items() if isinstance(value, dict) else enumerate(value) \
+            if isinstance(value, tuple) else [("", value)]
+        values.update({f"{name}[{key}]": v for key, v in items})
+    for name in HISTOGRAM_FIELDS:
+        histogram = getattr(snapshot, name)
+        values.update({f"{name}.count": histogram.count, f"{name}.total": histogram.total})
+        values.update({f"{name}[{i}]": c for i, c in enumerate(histogram.counts)})
+    return values
+
+
+def never_lower(before, after) -> None:
+    for old, new in zip(before, after, strict=True):
+        old_counts, new_counts = counts(old), counts(new)
+        lower = {k: (v, new_counts.get(k, 0)) for k, v in old_counts.items()
+                 if new_counts.get(k, 0) < v}
+        assert not lower, lower
+
+
+def test_a_dead_shard_mid_stream_continues_on_the_rebuilt_replica(ray_session, tiny_models):
+    """One replica (no other to take over): the stream waits for its replica to rebuild and
+    goes on from the tokens it had, exactly as greedy would have gone."""
     folder = tiny_models["qwen3"]
     cluster = TandemCluster(EngineConfig(model=str(folder), device="cpu", block_size=4,
                                          num_kv_blocks=128, tensor_parallel_size=2),
                             num_replicas=1)
     try:
         pids = ray_session.get(cluster.replicas[0].shard_pids.remote())
-        long = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+        asyncio.run(stream(cluster, PROMPTS[1], "warm"))
+        before = asyncio.run(cluster.metrics())
+        long = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
 
         async def killed_mid_stream():
-            killed = False
-            async for output in cluster.generate([1, 2, 3], long, "victim"):
+            killed, seen = False, []
+            async for output in cluster.generate(PROMPTS[0], long, "victim"):
+                seen.append(list(output.token_ids))
                 # >=, not ==: a stream that falls behind sends its backlog as one output
                 if len(output.token_ids) >= 3 and not killed:
                     os.kill(pids[1], signal.SIGKILL)
                     killed = True
+            return seen
 
-        with pytest.raises(RuntimeError, match="replica 0 lost a shard and is rebuilding: "
-                                               "a shard actor failed"):
-            asyncio.run(asyncio.wait_for(killed_mid_stream(), timeout=120))
-        # the replica rebuilt itself: new shards, and requests succeed again
-        out, _ = asyncio.run(stream(cluster, PROMPTS[0], "after"))
-        assert out.token_ids == hf_greedy(folder, PROMPTS[:1])[0]
+        seen = asyncio.run(asyncio.wait_for(killed_mid_stream(), timeout=120))
+        assert seen[-1] == hf_greedy(folder, PROMPTS[:1], max_tokens=60)[0]
+        # one unbroken stream: every output extends the one before
+        assert all(later[:len(earlier)] == earlier
+                   for earlier, later in zip(seen, seen[1:], strict=False))
         new_pids = ray_session.get(cluster.replicas[0].shard_pids.remote())
         assert not set(new_pids) & set(pids)
-        asyncio.run(cluster.check_health())
+        assert asyncio.run(cluster.router_stats()).failovers == 1
+        assert asyncio.run(cluster.health()).status == "ok"
+        # the rebuilt engine's counts are added to the old one's, never restarted
+        after = asyncio.run(cluster.metrics())
+        never_lower(before, after)
+        assert after[0].finished_requests["length"] == before[0].finished_requests["length"] + 1
     finally:
         cluster.shutdown()
 
 
-def test_a_dead_replica_process_fails_its_streams_and_its_restart_serves(ray_session,
-                                                                       tiny_models):
-    """The replica actor's process dies mid-stream: the request fails with Ray's error (no
-    hang, and the router forgets it), and once Ray has restarted the replica the next request,
-    on the same event loop, reaches it through a new stream."""
+def test_a_dead_replica_process_mid_stream_continues_after_its_restart(ray_session,
+                                                                        tiny_models):
+    """The replica actor's process dies mid-stream and there is no other replica: the request
+    retries until Ray has restarted it, then continues exactly; the router forgets nothing and
+    the counters of the dead process stay counted."""
     folder = tiny_models["llama"]
     cluster = TandemCluster(EngineConfig(model=str(folder), device="cpu", block_size=4,
                                          num_kv_blocks=64), num_replicas=1)
     try:
         replica = cluster.replicas[0]
         pid = ray_session.get(replica.__ray_call__.remote(lambda self: os.getpid()))
-        long = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+        asyncio.run(stream(cluster, PROMPTS[1], "warm"))
+        before = asyncio.run(cluster.metrics())
+        long = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
 
-        async def kill_then_retry():
-            with pytest.raises(ray_session.exceptions.RayError):
-                async for output in cluster.generate([1, 2, 3], long, "victim"):
-                    if len(output.token_ids) >= 2:
-                        os.kill(pid, signal.SIGKILL)
-            while True:  # what /health shows: 503 while the replica restarts
-                try:
-                    await cluster.check_health()
-                    break
-                except ray_session.exceptions.RayError:
-                    await asyncio.sleep(0.5)
-            return await stream(cluster, PROMPTS[0], "after")
+        async def kill_mid_stream():
+            out, killed = None, False
+            async for out in cluster.generate(PROMPTS[0], long, "victim"):
+                if len(out.token_ids) >= 2 and not killed:
+                    os.kill(pid, signal.SIGKILL)
+                    killed = True
+            return out
 
-        out, _ = asyncio.run(asyncio.wait_for(kill_then_retry(), timeout=180))
-        assert out.token_ids == hf_greedy(folder, PROMPTS[:1])[0]
+        out = asyncio.run(asyncio.wait_for(kill_mid_stream(), timeout=180))
+        assert out.token_ids == hf_greedy(folder, PROMPTS[:1], max_tokens=60)[0]
+        assert out.finish_reason == "length"
         assert ray_session.get(cluster.router.get_loads.remote()) == [0]
+        assert asyncio.run(cluster.router_stats()).failovers >= 1
+        assert ray_session.get(replica.__ray_call__.remote(lambda self: os.getpid())) != pid
+        never_lower(before, asyncio.run(cluster.metrics()))
     finally:
         cluster.shutdown()
 
@@ -180,7 +215,7 @@ class BurstReplica:
         while True:
             yield await queue.get()
 
-    async def submit(self, request_id, prompt_ids, params, consumer_id):
+    async def submit(self, request_id, prompt_ids, params, consumer_id, resume=None):
         queue = self.queues.setdefault(consumer_id, asyncio.Queue())
 
         async def produce():
@@ -196,7 +231,8 @@ class BurstReplica:
 
 
 class OneReplicaRouter:
-    async def assign(self, request_id, block_hashes, num_prompt_tokens, block_size):
+    async def assign(self, request_id, block_hashes, num_prompt_tokens, block_size, exclude=(),
+                     resumed=False):
         return 0
 
     async def first_token(self, request_id):

@@ -15,7 +15,7 @@ from cluster.serve.config import ServeConfig, load_config
 from cluster.serve.openai_service import OpenAIService
 from cluster.serve.prometheus import METRIC_NAMES, histogram_buckets
 from router.placement import ReplicaLoad
-from router.replica_router import RouterStats
+from router.replica_router import ClusterHealth, RouterStats
 
 TEXTS = ["He", "Hell", "Hello", "Hello w", "Hello world"]  # what the engine has released
 
@@ -25,8 +25,9 @@ class FakeCluster:
 
     max_model_len = 64
 
-    def __init__(self, fail_after: int | None = None, healthy: bool = True) -> None:
-        self.fail_after, self.healthy = fail_after, healthy
+    def __init__(self, fail_after: int | None = None,
+                 health: ClusterHealth | None = None) -> None:
+        self.fail_after, self.state = fail_after, health or ClusterHealth([True, True])
         self.started: list[str] = []
         self.closed: list[str] = []
 
@@ -45,9 +46,8 @@ class FakeCluster:
         finally:
             self.closed.append(request_id)
 
-    async def check_health(self) -> None:
-        if not self.healthy:
-            raise RuntimeError("replica 1 has no engine")
+    async def health(self) -> ClusterHealth:
+        return self.state
 
     async def metrics(self):
         engine = EngineMetrics()
@@ -66,7 +66,7 @@ class FakeCluster:
     async def router_stats(self):
         return RouterStats({"affinity": 3, "no_match": 1}, directory_blocks=12, event_lag_s=0.002,
                            loads=[ReplicaLoad(num_requests=2), ReplicaLoad()], resyncs=1,
-                           blocks_held=[12, 4])
+                           blocks_held=[12, 4], failovers=2, rejected={"overloaded": 5})
 
 
 def make_client(cluster: FakeCluster, **config) -> httpx.AsyncClient:
@@ -132,17 +132,35 @@ def test_several_prompts_run_as_several_requests():
     assert body["usage"]["prompt_tokens"] == 3 and len(cluster.started) == 2
 
 
-def test_health_is_503_when_a_replica_is_dead():
-    async def go(cluster):
-        async with make_client(cluster) as client:
+@pytest.mark.parametrize(("health", "body"), [
+    (ClusterHealth([True, True]), {"status": "ok", "replicas": 2, "replicas_up": 2}),
+    # one replica rebuilding: the other serves, so the server is up, and says it is degraded
+    (ClusterHealth([True, False]), {"status": "degraded", "replicas": 2, "replicas_up": 1}),
+])
+def test_health_is_200_while_a_replica_serves(health, body):
+    async def go():
+        async with make_client(FakeCluster(health=health)) as client:
             return await client.get("/health")
 
-    assert run(go(FakeCluster())).status_code == 200
-    dead = run(go(FakeCluster(healthy=False)))
-    assert dead.status_code == 503
-    message = dead.json()["error"]["message"]  # the replica's reason is logged, not sent
-    assert message.startswith("The engine is not ready: a replica is down or restarting")
-    assert "no engine" not in message
+    response = run(go())
+    assert (response.status_code, response.json()) == (200, body)
+
+
+@pytest.mark.parametrize(("health", "message"), [
+    (ClusterHealth([False, False]), "No engine replica is serving now: they are down or "
+                                    "restarting."),
+    (ClusterHealth([True, True], draining=True), "The server is shutting down and takes no "
+                                                 "new requests."),
+])
+def test_health_is_503_with_retry_after_when_none_serves_or_it_drains(health, message):
+    async def go():
+        async with make_client(FakeCluster(health=health), retry_after=7) as client:
+            return await client.get("/health")
+
+    response = run(go())
+    assert (response.status_code, response.headers["retry-after"]) == (503, "7")
+    assert response.json()["error"] == {"message": message, "type": "service_unavailable",
+                                        "param": None, "code": health.status}
 
 
 def test_chunked_body_over_the_limit_is_413():
@@ -187,6 +205,11 @@ def test_metrics_label_every_replica():
     in_flight = families["tandem:router_requests_in_flight"].samples
     assert {s.labels["replica"]: s.value for s in in_flight} == {"0": 2.0, "1": 0.0}
     assert [s.value for s in families["tandem:kv_directory_blocks"].samples] == [12.0]
+    assert [s.value for s in families["tandem:request_failovers"].samples
+            if s.name.endswith("_total")] == [2.0]
+    rejected = {s.labels["reason"]: s.value for s in families["tandem:requests_rejected"].samples
+                if s.name.endswith("_total")}
+    assert rejected == {"overloaded": 5.0, "draining": 0.0}
     per_position = families["tandem:spec_decode_num_accepted_tokens_per_pos"].samples
     assert {(s.labels["replica"], s.labels["position"]): s.value for s in per_position} == {
         ("0", "0"): 3.0, ("0", "1"): 1.0, ("1", "0"): 4.0, ("1", "1"): 1.0}
