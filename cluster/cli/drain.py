@@ -50,6 +50,7 @@ async def _drain_and_stop(timeout_s: float, app_name: str, engines_deployment: s
               "off", file=sys.stderr, flush=True)
     else:
         print(f"tandem: drained in {took:.1f} s", flush=True)
+    print("tandem: shutting down", flush=True)
     await serve.shutdown_async()
 
 

@@ -222,10 +222,10 @@ def run_server(config: ServeConfig, ports: ServePorts) -> None:
     finally:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # the shutdown itself is not interrupted
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        print("tandem: shutting down", flush=True)
         if stopped_by_signal:  # also while serve.run still waits: the app may take requests
             drain_and_stop(config.drain_timeout, APP_NAME, ENGINES_DEPLOYMENT)
         else:
+            print("tandem: shutting down", flush=True)
             serve.shutdown()
         ray.shutdown()
 

@@ -112,10 +112,16 @@ class ReplicaActor:
                 await self.abort(request_id)
 
     async def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                     consumer_id: str, resume: Resume | None = None) -> None:
+                     consumer_id: str, resume: Resume | None = None,
+                     wait_s: float | None = None) -> None:
         """Queues a request; its deltas go to ``consumer_id``'s stream. Bad input raises here,
-        before anything is queued. ``resume``: it continues what a lost replica started."""
-        await self.ready.wait()  # a request that arrives during a rebuild waits for it
+        before anything is queued. ``resume``: it continues what a lost replica started.
+        A request that arrives during a rebuild waits for it, up to ``wait_s``."""
+        try:
+            await asyncio.wait_for(self.ready.wait(), wait_s)
+        except TimeoutError:
+            raise ReplicaFailure(f"replica {self.replica_id} is still rebuilding after "
+                                 f"{wait_s} s") from None
         engine = self._engine()
         engine.check_prompt(prompt_ids)
         if request_id in self.owners:

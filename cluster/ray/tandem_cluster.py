@@ -192,8 +192,9 @@ class TandemCluster:
         finished = started = False
         loss: ReplicaLost | None = None
         try:
+            # a rebuild is waited for no longer than failover allows, so it cannot hang
             await replica.submit.remote(request_id, prompt_ids, params, stream.consumer_id,
-                                        resume)
+                                        resume, self.policy.failover_timeout_s)
             while not finished:
                 # what queued up while the caller was busy leaves as one output: a consumer
                 # that falls behind catches up instead of falling further behind

@@ -6,7 +6,9 @@ import json
 import pytest
 
 from cluster.cli.main import build_parser
-from cluster.cli.serve import serve_config
+from cluster.cli.serve import check_ports_free, serve_config
+from cluster.cli.serve_ports import serve_ports
+from cluster.ray.serving_policy import ServingPolicy
 from workers.spec.config import SpeculativeConfig
 
 
@@ -134,3 +136,35 @@ def test_a_disk_tier_without_a_host_tier_is_refused_with_the_reason():
         config_of("--disk-kv-cache-dir", "/data/kv").engine_config()
     assert str(error.value) == ("disk_kv_cache_dir needs host_kv_cache_gb > 0: blocks reach the "
                                 "disk tier through the host tier")
+
+
+def test_the_overload_and_fault_flags_reach_the_serving_policy():
+    config = config_of("--max-waiting-requests", "8", "--max-waiting-tokens", "4096",
+                       "--retry-after", "5", "--failover-timeout", "12",
+                       "--health-check-period", "0.5", "--request-timeout", "60",
+                       "--drain-timeout", "10")
+    assert config.serving_policy() == ServingPolicy(
+        max_waiting_requests=8, max_waiting_tokens=4096, retry_after_s=5,
+        failover_timeout_s=12.0, health_check_period_s=0.5)
+    assert (config.request_timeout, config.drain_timeout) == (60.0, 10.0)
+    defaults = config_of()
+    assert defaults.serving_policy() == ServingPolicy()  # no limits, 2 s, 30 s, 1 s
+    assert (defaults.request_timeout, defaults.drain_timeout) == (0.0, 30.0)
+    with pytest.raises(ValueError, match="--retry-after: Input should be greater than or "
+                                         "equal to 1"):
+        config_of("--retry-after", "0")
+
+
+@pytest.mark.parametrize(("throughput", "ingress", "http", "proxy", "grpc"), [
+    (True, 1, (8000,), 8001, range(8002, 8003)),
+    (True, 4, (8000, 8001, 8002, 8003), 8004, range(8005, 8009)),
+    (False, 4, (8000,), 8000, range(0)),  # the proxy alone
+])
+def test_every_port_follows_from_the_port_flag(throughput, ingress, http, proxy, grpc):
+    ports = serve_ports(8000, ingress, throughput)
+    assert (ports.http, ports.proxy, ports.grpc) == (http, proxy, grpc)
+
+
+def test_a_port_range_past_65535_is_refused_before_anything_starts():
+    with pytest.raises(ValueError, match="--port 65535 leaves no room for ports up to 65537"):
+        check_ports_free("127.0.0.1", serve_ports(65535, 1, True))

@@ -12,7 +12,7 @@ from router.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow  # the default model's tokenizer
 
-PROMPT = [504, 3060, 314, 4649, 314, 2887, 28, 260]
+PROMPT = [504, 360, 314, 649, 314, 887, 28, 260]  # in both tiny vocabularies
 
 
 def engine(folder) -> LLMEngine:
@@ -39,23 +39,26 @@ def run_clean(folder, params: SamplingParams):
     return stream(e, OutputAccumulator())
 
 
-@pytest.mark.parametrize("params", [
-    SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True),
+@pytest.mark.parametrize(("model", "params"), [
+    ("chat", SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)),
     # seeded sampling with a penalty: the noise and the penalised history must both continue
-    SamplingParams(temperature=1.0, top_p=0.9, seed=7, repetition_penalty=1.3, max_tokens=40,
-                   ignore_eos=True, logprobs=2),
+    # (on the small vocabulary: sampling over 49k tokens is slow on the CPU, and ids suffice)
+    ("llama", SamplingParams(temperature=1.0, top_p=0.9, seed=7, repetition_penalty=1.3,
+                             max_tokens=40, ignore_eos=True, logprobs=2)),
     # two seeded samples, and min_tokens that the cut falls inside
-    SamplingParams(temperature=0.8, seed=11, n=2, max_tokens=30, min_tokens=20,
-                   ignore_eos=True),
-], ids=["greedy", "seeded-penalty-logprobs", "seeded-n2-min-tokens"])
-def test_a_resumed_request_gives_exactly_the_clean_run(tiny_chat_model, params):
-    clean = run_clean(tiny_chat_model, params)
-    first, accumulator = engine(tiny_chat_model), OutputAccumulator()
+    ("llama", SamplingParams(temperature=0.8, seed=11, n=2, max_tokens=30, min_tokens=20,
+                             ignore_eos=True)),
+], ids=["greedy-text", "seeded-penalty-logprobs", "seeded-n2-min-tokens"])
+def test_a_resumed_request_gives_exactly_the_clean_run(tiny_chat_model, tiny_models, model,
+                                                       params):
+    folder = tiny_chat_model if model == "chat" else tiny_models[model]
+    clean = run_clean(folder, params)
+    first, accumulator = engine(folder), OutputAccumulator()
     first.add_request(PROMPT, params, "r")
     cut = stream(first, accumulator, stop_after=9)
     assert 9 <= len(cut.token_ids) < params.max_tokens
     first.shutdown()
-    second = engine(tiny_chat_model)
+    second = engine(folder)
     second.add_request(PROMPT, params, "r", resume=Resume.from_output(cut, elapsed_s=0.5))
     resumed = stream(second, accumulator)
     for got, want in zip(resumed.outputs, clean.outputs, strict=True):
@@ -68,7 +71,7 @@ def test_a_resumed_request_gives_exactly_the_clean_run(tiny_chat_model, params):
                 assert [t for t, _ in got_entry] == [t for t, _ in want_entry]
                 assert [v for _, v in got_entry] == pytest.approx([v for _, v in want_entry],
                                                                   abs=1e-4)
-    assert len(clean.text) > 20  # text, not only ids
+    assert len(clean.text) > 20 or model != "chat"  # text, not only ids
     assert second.scheduler.kv.num_used_blocks == 0
     second.scheduler.kv.check_integrity()
     # no second first token: the continuation's time-to-first-token is not counted again
