@@ -150,6 +150,20 @@ def decode_batch(rows: DecodeRows, device: torch.device,
                       list(rows.request_ids), sample_indices)
 
 
+def forward_decode_rows(model, kv_caches, graphs, rows: DecodeRows,  # type: ignore[no-untyped-def]
+                        device: torch.device,
+                        input_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """Hidden states of a step of decode rows: the CUDA graph of its bucket when ``graphs``
+    (workers/cuda_graphs.py DecodeGraphs, or None) has one that fits, else the model eagerly.
+    ``input_ids`` (n,) on the device, when given, replace the rows' host tokens."""
+    if graphs is not None:
+        hidden = graphs.run(rows, input_ids)
+        if hidden is not None:
+            return hidden
+    batch = decode_batch(rows, device, input_ids)
+    return model(batch.input_ids, batch.positions, kv_caches, batch.meta)
+
+
 ALIGN_BYTES = 16
 
 

@@ -18,7 +18,7 @@ from workers.input_batch import (
     build_decode_rows,
     build_input_batch,
     build_verify_rows,
-    decode_batch,
+    forward_decode_rows,
     to_device,
 )
 from workers.kv_cache import KVCaches, allocate_kv_caches, kv_bytes_per_block, resolve_kv_format
@@ -370,12 +370,8 @@ class Worker:
                 raise ValueError(f"no slot allocated for the lookahead step of '{request_id}'")
 
     def _forward_decode(self, rows: DecodeRows, input_ids: torch.Tensor | None) -> torch.Tensor:
-        if self.graphs is not None:
-            hidden = self.graphs.run(rows, input_ids)
-            if hidden is not None:
-                return hidden
-        batch = decode_batch(rows, self.device, input_ids)
-        return self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
+        return forward_decode_rows(self.model, self.kv_caches, self.graphs, rows, self.device,
+                                   input_ids)
 
     def _sample_and_read(self, request_ids: list[str], hidden: torch.Tensor) -> StepOutput | None:
         logits = self.model.compute_logits(hidden)  # a collective under TP

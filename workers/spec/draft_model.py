@@ -13,7 +13,13 @@ in k one-token steps into the slots the scheduler set aside after the row's toke
 import numpy as np
 import torch
 
-from workers.input_batch import DecodeRows, InputBatch, block_table_array, decode_batch, slots_of
+from workers.input_batch import (
+    DecodeRows,
+    InputBatch,
+    block_table_array,
+    forward_decode_rows,
+    slots_of,
+)
 from workers.kv_cache import KVCaches, allocate_kv_caches, kv_bytes_per_block
 from workers.layers.parallel import TensorParallelGroup
 from workers.loader import load_model
@@ -64,12 +70,8 @@ class DraftModel:
         self._forward_rows(rows, None)
 
     def _forward_rows(self, rows: DecodeRows, tokens: torch.Tensor | None) -> torch.Tensor:
-        if self.graphs is not None:
-            hidden = self.graphs.run(rows, tokens)
-            if hidden is not None:
-                return hidden
-        batch = decode_batch(rows, self.device, tokens)
-        return self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
+        return forward_decode_rows(self.model, self.kv_caches, self.graphs, rows, self.device,
+                                   tokens)
 
     def propose(self, states: list[RequestState], emitted: list[list[int]]) -> list[list[int]]:
         """k drafts after each row's tokens (its state's, then ``emitted`` this step); none for
