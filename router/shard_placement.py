@@ -10,7 +10,9 @@ at once, saying what it needs and what the cluster has::
 
 Nodes are compared by their total resources, not what is free now: resources held by another
 replica come back when it leaves, so a group that fits a node's total may rightly wait. The
-verdict leans to "feasible" where it cannot know (a node type without a count limit).
+verdict leans to "feasible" where it cannot know: a node type without a count limit, or a
+cluster whose autoscaler does not say what it can add (``node_types=None``: Ray 2.60's keep
+their node types to themselves), where the group waits for a node as Ray would have it.
 """
 
 import math
@@ -50,13 +52,14 @@ def groups_per_node(needs: Resources, node: Resources) -> float:
 
 
 def check_placement(bundle: Resources, num_bundles: int, nodes: Sequence[Resources],
-                    node_types: Sequence[NodeType] = (), num_replicas: int = 1
+                    node_types: Sequence[NodeType] | None = (), num_replicas: int = 1
                     ) -> PlacementVerdict:
     """Can ``num_replicas`` groups of ``num_bundles`` x ``bundle``, each on one node, be placed
-    on ``nodes`` (each node's total resources) plus what ``node_types`` can add?"""
+    on ``nodes`` (each node's total resources) plus what ``node_types`` can add (empty: no
+    autoscaler; None: one that may add nodes of types unknown)?"""
     needs = group_needs(bundle, num_bundles)
     held = sum(groups_per_node(needs, node) for node in nodes)
-    if held >= num_replicas:
+    if held >= num_replicas or node_types is None:
         return PlacementVerdict(True)
     addable = 0.0
     for node_type in node_types:

@@ -8,7 +8,7 @@ TPOT at batch 1, output tokens/s at every batch. Greedy agreement between the fi
 others is reported for bf16.
 
     tandem bench tp-scaling --shape llama-3.1-8b --tp 1 2 4 8 --batch 1 64
-    python -m cluster.bench.tp_scaling --shape llama-3-70b --tp 4 8 --batch 1 100 --output-len 256
+    python -m cluster.bench tp-scaling --shape llama-3-70b --tp 4 8 --batch 1 100 --output-len 256
 """
 
 import argparse
@@ -17,7 +17,6 @@ import gc
 import json
 import random
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -163,8 +162,3 @@ def tp_scaling(args: argparse.Namespace) -> int:
     Path(args.output).write_text(json.dumps(record, indent=2, default=str))
     return 0
 
-
-if __name__ == "__main__":  # python -m cluster.bench.tp_scaling = tandem bench tp-scaling
-    from cluster.bench.__main__ import main
-
-    sys.exit(main(["tp-scaling", *sys.argv[1:]]))

@@ -1,8 +1,8 @@
 """What a replica's shards ask Ray for, and a refusal at once when no node can ever hold them.
 
 The verdict is router/shard_placement.py's, over the nodes Ray lists now and the node types
-its autoscaler reports in its cluster config (none without an autoscaler: then the nodes
-there decide).
+its autoscaler reports in its cluster config (see autoscaler_node_types for where that is not
+known).
 """
 
 import ray
@@ -29,16 +29,21 @@ def cluster_nodes() -> list[dict[str, float]]:
     return [dict(node["Resources"]) for node in ray.nodes() if node["Alive"]]
 
 
-def autoscaler_node_types() -> list[NodeType]:
-    """The node types Ray's autoscaler may add, from the cluster config it keeps in the GCS
-    (what Ray Data reads too); none where no autoscaler runs."""
-    from ray._private.state import state  # no public API reads it (Ray 2.60)
+def autoscaler_node_types() -> list[NodeType] | None:
+    """The node types Ray's autoscaler may add, from the cluster config it reports to the GCS
+    (what Ray Data reads too; no public API reads it). None where that is unknown: Ray 2.60's
+    autoscalers (v1, and v2 under KubeRay) report none, so on a cluster this process joined
+    a group may still be met by a node to come. A Ray instance this process started itself
+    (``ray.init()`` without an address) has no autoscaler: its nodes decide."""
+    from ray._private import worker
+    from ray._private.state import state
 
     config = state.get_cluster_config()
-    if config is None:
-        return []
-    return [NodeType(group.name, dict(group.resources), group.max_count)
-            for group in config.node_group_configs]
+    if config is not None and config.node_group_configs:
+        return [NodeType(group.name, dict(group.resources), group.max_count)
+                for group in config.node_group_configs]
+    node = worker._global_node
+    return [] if node is not None and node.head else None
 
 
 def check_placeable(bundle: Resources, tensor_parallel_size: int, num_replicas: int = 1) -> None:

@@ -73,3 +73,10 @@ def test_several_replicas_count_whole_groups_per_node():
     verdict = check_placement(CPU_SHARD, 8, [node, node], num_replicas=3)
     assert verdict.message.startswith("3 replicas: each of them TP=8 needs 2 CPUs on one node; "
                                       "the nodes hold 2 such groups;")
+
+
+def test_an_autoscaler_that_does_not_say_what_it_adds_leaves_the_group_to_wait():
+    """A cluster joined whose autoscaler reports no node types: a node may come (Ray's own
+    behaviour, a pending group); only a cluster known to have no autoscaler refuses."""
+    assert check_placement(GPU_SHARD, 4, [{"CPU": 8.0, "GPU": 0.0}], None).feasible
+    assert not check_placement(GPU_SHARD, 4, [{"CPU": 8.0, "GPU": 0.0}], []).feasible

@@ -1,5 +1,5 @@
 """W7's command line and its roofline at each TP, on the CPU (its speed needs GPUs: the run on
-4 and 8 H200s is one command, `python -m cluster.bench.tp_scaling --shape llama-3-70b ...`)."""
+4 and 8 H200s is one command, `python -m cluster.bench tp-scaling --shape llama-3-70b ...`)."""
 
 import argparse
 import math
