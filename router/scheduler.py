@@ -6,13 +6,16 @@ so a long prompt is prefilled in chunks mixed with the decodes of other sequence
 pool is short, the newest running sequence is preempted by recompute: its blocks are freed and
 it waits at the head of the queue to be prefilled again (its generated tokens kept). With a
 host tier, its blocks are also in host memory (written through as they filled, the few missing
-copied at preemption), so it resumes by loading them rather than recomputing: swap preemption.
+copied at preemption), so it resumes by loading them rather than recomputing: swap preemption,
+when the measured copy is cheaper than the recompute (kv_pricing.py); else the missing blocks
+are not copied, and a load is started only where it is cheaper than recomputing, too.
 
 A waiting sequence whose prefix goes on past the device's prefix cache into the host tier or
 disk first loads those blocks: it leaves the queue while they are copied into device blocks
 (``loading``), the others run, and it comes back to the head of the queue when the workers
 report them landed; they are then ordinary prefix hits. Blocks that failed to load are
-recomputed.
+recomputed; so is the whole prefix of a load that brought nothing or took longer than
+``kv_load_timeout_s`` (the sequence goes back to the queue and loads no more).
 
 When every running sequence is decoding and nobody waits, one call to the workers may run
 several decode steps back to back (``decode_steps``): the device feeds each step the tokens of
@@ -32,7 +35,7 @@ lies in the sequence's own slot and is written again when that position is compu
 
 import time
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
@@ -40,6 +43,7 @@ from kvstore.block_pool import KVBlock
 from kvstore.kv_cache_manager import KVCacheManager
 from kvstore.tiers import LoadResult, OffloadHits
 from kvstore.transfers import TransferReport
+from router.kv_pricing import TransferRates, swap_pays
 from router.prefill_delay import PrefillDelay
 from router.sequence import FinishReason, Sequence, SequenceStatus
 
@@ -56,6 +60,7 @@ class SchedulerConfig:
     # False: a prompt is prefilled in one step or waits (its uncached tokens fit the budget)
     enable_chunked_prefill: bool = True
     scheduler_delay_factor: float = 0.0  # router/prefill_delay.py
+    kv_load_timeout_s: float = 30.0  # a load from the host tier or disk not back by then: recompute
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:
@@ -64,6 +69,8 @@ class SchedulerConfig:
             raise ValueError("max_num_seqs must be at least 1")
         if self.decode_steps < 1:
             raise ValueError("decode_steps must be at least 1")
+        if self.kv_load_timeout_s <= 0:
+            raise ValueError("kv_load_timeout_s must be > 0")
 
 
 @dataclass
@@ -91,9 +98,15 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager,
+                 rates: TransferRates | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        """``rates``: measured at start-up, they price swaps and loads against recomputes
+        (None: always swap and load)."""
         self.config = config
         self.kv = kv
+        self.rates = rates
+        self.clock = clock
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -104,6 +117,8 @@ class Scheduler:
         # tokens a sequence's load brought from the host tier and disk, counted as prefix hits
         # of those tiers when it is admitted
         self._loaded_tokens: dict[str, tuple[int, int]] = {}
+        self._load_started: dict[str, float] = {}  # by the clock, for the timeout
+        self._recomputes: set[str] = set()  # a load of theirs failed or timed out: no more
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -112,6 +127,8 @@ class Scheduler:
         return bool(self.waiting or self.running or self.loading)
 
     def schedule(self) -> SchedulerOutput:
+        if self.loading:
+            self._expire_loads()
         output = SchedulerOutput()
         output.num_steps, output.lookahead = self._num_decode_steps()
         budget = self._schedule_running(output, self.config.max_num_batched_tokens)
@@ -226,7 +243,7 @@ class Scheduler:
             if self._waits_for_prefix(seq, len(hits), in_flight):
                 index += 1
                 continue
-            below = self.kv.find_offloaded(seq.request_id, seq.token_ids, len(hits))
+            below = self._offloaded(seq, len(hits))
             if below is not None:
                 loads = self._start_load(seq, hits, num_cached, below)
                 if loads is None:
@@ -258,6 +275,33 @@ class Scheduler:
             if in_flight is not None:
                 in_flight.update(self.kv.uncached_hashes(seq.request_id))
 
+    def _offloaded(self, seq: Sequence, num_hits: int) -> OffloadHits | None:
+        """The blocks to load from below the pool: none where loading them costs more than
+        computing them, or after a load of this sequence failed or timed out."""
+        if seq.request_id in self._recomputes:
+            return None
+        below = self.kv.find_offloaded(seq.request_id, seq.token_ids, num_hits)
+        if below is None or not swap_pays(self.rates, 0, below.num_blocks,
+                                          below.num_blocks * self.kv.block_size):
+            return None
+        return below
+
+    def _expire_loads(self) -> None:
+        """Loads past the timeout are given up: their sequences recompute those tokens (the
+        copies may still land; the workers order them before any later use of the blocks)."""
+        deadline = self.clock() - self.config.kv_load_timeout_s
+        for request_id in [r for r, t in self._load_started.items() if t <= deadline]:
+            self._give_up_load(request_id)
+
+    def _give_up_load(self, request_id: str) -> None:
+        self._load_started.pop(request_id, None)
+        seq = self.loading.pop(request_id, None)
+        if seq is None:
+            return
+        self.kv.free(request_id)  # unpins the load's blocks
+        self._recomputes.add(request_id)
+        self.waiting.appendleft(seq)
+
     def _start_load(self, seq: Sequence, hits: list[KVBlock], num_cached: int,
                     below: OffloadHits) -> int | None:
         """Device blocks for the prefix found below the pool, and their load; how many blocks
@@ -268,6 +312,7 @@ class Scheduler:
         count = self.kv.start_load(seq.request_id, seq.token_ids, below)
         if count:
             self.loading[seq.request_id] = seq
+            self._load_started[seq.request_id] = self.clock()
         else:
             self.kv.free(seq.request_id)
         return count
@@ -280,7 +325,10 @@ class Scheduler:
         for request_id, num_loaded in report.loaded.items():
             seq = self.loading.pop(request_id, None)
             if seq is None:
-                continue  # aborted while it loaded
+                continue  # aborted or given up while it loaded
+            self._load_started.pop(request_id, None)
+            if num_loaded == 0:  # the copy failed: its blocks would fail again
+                self._recomputes.add(request_id)
             self.kv.finish_load(request_id, seq.token_ids, num_loaded)
             self.kv.free(request_id)
             result = results.get(request_id)
@@ -398,6 +446,8 @@ class Scheduler:
         return seq
 
     def _remove(self, request_id: str) -> Sequence | None:
+        self._load_started.pop(request_id, None)
+        self._recomputes.discard(request_id)
         seq = self.loading.pop(request_id, None)
         if seq is not None:
             return seq
@@ -411,7 +461,10 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         seq.spec_token_ids = []
-        self.kv.swap_out(seq.request_id)
+        num_blocks = self.kv.num_cached_blocks(seq.request_id)
+        if swap_pays(self.rates, self.kv.num_missing_from_host(seq.request_id), num_blocks,
+                     num_blocks * self.kv.block_size):
+            self.kv.swap_out(seq.request_id)
         self.kv.free(seq.request_id)
         self._forget(seq.request_id)
         seq.status = SequenceStatus.WAITING
@@ -421,6 +474,7 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def _release(self, seq: Sequence) -> None:
+        self._recomputes.discard(seq.request_id)
         if seq in self.running:
             self.running.remove(seq)
         self.kv.free(seq.request_id)

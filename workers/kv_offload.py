@@ -15,7 +15,9 @@ copy's event (the GPU waits, not the host), and only when a copy is still in fli
 - a block this step reads or writes that a load is still filling (on another shard of the
   same step the load may lag behind the driver's, which reported it done).
 
-The host itself waits for a copy only to read or write a slot by CPU (a file to or from it).
+The host itself waits for a copy only to read or write a slot by CPU (a file to or from it,
+or another replica's blocks: ``export`` and ``stage_import`` run on the actor's own thread beside
+the steps, and touch only pinned slots and the staging dict).
 On the CPU the same code runs with plain tensors: every copy is done when it returns, and
 nothing is ever in flight.
 """
@@ -24,6 +26,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import time
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -32,7 +35,7 @@ from pathlib import Path
 import torch
 
 from kvstore.block_file import block_file_name, read_block_file, write_block_file
-from kvstore.transfers import BlockLoad, KVTransfers, TransferReport
+from kvstore.transfers import BlockLoad, HostImport, KVTransfers, TransferReport
 from workers.kv_cache import KVCaches
 from workers.layers.parallel import TensorParallelGroup
 
@@ -86,6 +89,9 @@ class OffloadInfo:
     num_slots: int
     block_bytes: int  # one slot, this shard's share of a block
     layout_tag: str  # the disk tier's subdirectory: blocks of this layout only
+    # measured at start-up: what pricing copies against recomputes needs (router/kv_pricing.py)
+    copy_bytes_per_s: float = 0.0  # device -> host, one staging batch
+    prefill_tokens_per_s: float = 0.0
 
 
 @dataclass
@@ -130,10 +136,29 @@ class KVOffloader:
         self.pending_loads: list[_PendingLoad] = []
         self._report = TransferReport()
         self._step_start: torch.cuda.Event | None = None
+        self.staged: dict[str, torch.Tensor] = {}  # import id -> (blocks, block_bytes) bytes
 
     @property
     def info(self) -> OffloadInfo:
         return OffloadInfo(self.num_slots, self.layout.block_bytes, self.layout.tag)
+
+    def measure_copy_bandwidth(self, repeats: int = 3) -> float:
+        """Device -> host bytes a second over one staging batch into pinned slots (the
+        write-through's path), the best of ``repeats``; at start-up, before any block is
+        offloaded."""
+        count = min(STAGE_BLOCKS, self.num_slots)
+        best = float("inf")
+        for _ in range(repeats):
+            self._synchronize()
+            started = time.perf_counter()
+            self.host[:count].copy_(self.stage[:count], non_blocking=True)
+            self._synchronize()
+            best = min(best, time.perf_counter() - started)
+        return count * self.layout.block_bytes / max(best, 1e-9)
+
+    def _synchronize(self) -> None:
+        if self.on_gpu:
+            torch.cuda.synchronize(self.device)
 
     # -- a step ---------------------------------------------------------------------------
 
@@ -148,6 +173,8 @@ class KVOffloader:
         if transfers is not None:
             self._write_files(transfers)
             self._store(transfers.stores_first)
+            for host_import in transfers.imports:
+                self._import(host_import)
             failed_slots = self._read_files(transfers)
             for load in transfers.loads:
                 self._load(load, failed_slots)
@@ -260,6 +287,34 @@ class KVOffloader:
             if slot in batch.slots:
                 batch.event.synchronize()
                 return
+
+    # -- host <-> another replica ------------------------------------------------------------
+
+    def export(self, slots: list[int]) -> torch.Tensor:
+        """A copy of the (pinned) slots, one row each, for another replica. Called beside the
+        steps: it waits for every copy queued on the offload stream (a write-through into one
+        of them may be in flight), not for the steps."""
+        if self.stream is not None:
+            self.stream.synchronize()
+        return self.host[torch.tensor(slots, dtype=torch.int64)] if slots else \
+            self.host[:0].clone()
+
+    def stage_import(self, import_id: str, rows: torch.Tensor) -> None:
+        """Another replica's exported blocks, kept until a step's ``HostImport`` writes them."""
+        if rows.dtype != torch.uint8 or rows.dim() != 2 or (
+                rows.shape[1] != self.layout.block_bytes):
+            raise ValueError(f"staged KV blocks must be uint8 rows of {self.layout.block_bytes} "
+                             f"bytes, got {rows.dtype} {tuple(rows.shape)}")
+        self.staged[import_id] = rows
+
+    def _import(self, host_import: HostImport) -> None:
+        rows = self.staged.pop(host_import.import_id, None)
+        if rows is None:  # staging failed on this shard: the engine planned no rows then
+            assert not host_import.rows, f"import {host_import.import_id} was never staged"
+            return
+        for row, slot in zip(host_import.rows, host_import.slots, strict=True):
+            self._host_ready(slot)
+            self.host[slot].copy_(rows[row])
 
     # -- host <-> disk ----------------------------------------------------------------------
 
