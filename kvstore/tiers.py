@@ -89,6 +89,8 @@ class TierCounters:
     read_from_disk: int = 0
     exported: int = 0  # read for another replica
     imported: int = 0  # pulled from another replica into the host tier
+    copied_bytes: int = 0  # device <-> host, as rank 0 measured them
+    copy_seconds: float = 0.0
 
 
 @dataclass
@@ -216,6 +218,8 @@ class TierManager:
     def apply(self, report: TransferReport) -> dict[str, LoadResult]:
         """The workers' report: failed reads leave both tiers, finished loads are unpinned,
         and a failed disk switches that tier off. Returns the finished loads' results."""
+        self.counters.copied_bytes += report.copied_bytes
+        self.counters.copy_seconds += report.copy_seconds
         for block_hash in report.failed_reads:
             self.host.discard(block_hash)
             if self.disk is not None:

@@ -79,7 +79,10 @@ class TransferReport:
     loaded: dict[str, int] = field(default_factory=dict)
     failed_reads: list[BlockHash] = field(default_factory=list)  # disk reads refused
     disk_error: str | None = None  # the disk tier failed (full, unwritable): switch it off
+    # device <-> host copies finished since, and their time on the copy stream: the rate
+    copied_bytes: int = 0
+    copy_seconds: float = 0.0
 
     @property
     def is_empty(self) -> bool:
-        return not (self.loaded or self.failed_reads or self.disk_error)
+        return not (self.loaded or self.failed_reads or self.disk_error or self.copied_bytes)

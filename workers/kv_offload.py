@@ -28,7 +28,7 @@ import json
 import logging
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -99,6 +99,8 @@ class _Batch:
     """Copies queued on the offload stream up to ``event``."""
 
     event: torch.cuda.Event
+    start: "torch.cuda.Event | None" = None  # when the stream began these copies (timing)
+    num_bytes: int = 0
     loads_into: set[int] = field(default_factory=set)  # device blocks being written
     stores_from: set[int] = field(default_factory=set)  # device blocks being read
     slots: set[int] = field(default_factory=set)  # host slots read or written
@@ -137,6 +139,8 @@ class KVOffloader:
         self._report = TransferReport()
         self._step_start: torch.cuda.Event | None = None
         self.staged: dict[str, torch.Tensor] = {}  # import id -> (blocks, block_bytes) bytes
+        self._copy_start: torch.cuda.Event | None = None  # the batch being queued (_timed)
+        self._copy_bytes = 0
 
     @property
     def info(self) -> OffloadInfo:
@@ -176,8 +180,8 @@ class KVOffloader:
             for host_import in transfers.imports:
                 self._import(host_import)
             failed_slots = self._read_files(transfers)
-            for load in transfers.loads:
-                self._load(load, failed_slots)
+            if transfers.loads:
+                self._load_all(transfers.loads, failed_slots)
         if self.batches:
             self._wait_for(touched, written)
 
@@ -211,7 +215,7 @@ class KVOffloader:
             chunk = pairs[start:start + STAGE_BLOCKS]
             blocks, slots = [b for b, _ in chunk], [s for _, s in chunk]
             n = len(chunk)
-            with self._on_copy_stream():
+            with self._on_copy_stream(), self._timed(n):
                 block_index = self._to_device(blocks)
                 torch.cat([t.index_select(0, block_index).view(n, -1).view(torch.uint8)
                            for t in self.tensors], dim=1, out=self.stage[:n])
@@ -220,7 +224,26 @@ class KVOffloader:
                                                        non_blocking=True)
                 self._record(stores_from=set(blocks), slots=set(slots))
 
-    def _load(self, load: BlockLoad, failed_slots: set[int]) -> None:
+    def _load_all(self, loads: list[BlockLoad], failed_slots: set[int]) -> None:
+        """Every load; one whose copies raised on any shard is reported with no block
+        intact (the engine recomputes its tokens), the others as they land."""
+        started: list[_PendingLoad] = []
+        failed: list[bool] = []
+        for load in loads:
+            try:
+                started.append(self._load(load, failed_slots))
+                failed.append(False)
+            except RuntimeError as error:
+                log.warning("loading %d KV blocks for %s failed (%s): its tokens are "
+                            "recomputed", len(load.block_ids), load.request_id, error)
+                started.append(_PendingLoad(load.request_id, 0, None))
+                failed.append(True)
+        agreed = self.tp.any_true_each(failed, self.device)  # every shard, or none, loads
+        for pending, bad in zip(started, agreed, strict=True):
+            self.pending_loads.append(_PendingLoad(pending.request_id, 0, None) if bad
+                                      else pending)
+
+    def _load(self, load: BlockLoad, failed_slots: set[int]) -> _PendingLoad:
         """Host slots to device blocks, up to the first slot whose file was refused: one copy
         per run of consecutive slots into the staging buffer, one scatter per cache tensor."""
         num_ok = next((i for i, slot in enumerate(load.host_slots) if slot in failed_slots),
@@ -231,7 +254,7 @@ class KVOffloader:
             chunk = pairs[start:start + STAGE_BLOCKS]
             slots, blocks = [s for s, _ in chunk], [b for _, b in chunk]
             n = len(chunk)
-            with self._on_copy_stream():
+            with self._on_copy_stream(), self._timed(n):
                 for slot, row, count in _runs(slots):
                     self.stage[row:row + count].copy_(self.host[slot:slot + count],
                                                       non_blocking=True)
@@ -239,7 +262,7 @@ class KVOffloader:
                 for view, tensor in zip(self.stage_views, self.tensors, strict=True):
                     tensor.index_copy_(0, block_index, view[:n])
                 event = self._record(loads_into=set(blocks), slots=set(slots))
-        self.pending_loads.append(_PendingLoad(load.request_id, num_ok, event))
+        return _PendingLoad(load.request_id, num_ok, event)
 
     def _on_copy_stream(self) -> contextlib.AbstractContextManager[object]:
         """The copy stream, behind what the compute stream queued before this step (on the
@@ -262,7 +285,8 @@ class KVOffloader:
         """Marks the copies queued so far (on a GPU; None on the CPU, where they are done)."""
         if self.stream is None:
             return None
-        batch = _Batch(torch.cuda.Event(), loads_into or set(), stores_from or set(),
+        batch = _Batch(torch.cuda.Event(enable_timing=True), self._copy_start,
+                       self._copy_bytes, loads_into or set(), stores_from or set(),
                        slots or set())
         batch.event.record(self.stream)
         self.batches.append(batch)
@@ -270,7 +294,29 @@ class KVOffloader:
 
     def _retire(self) -> None:
         while self.batches and self.batches[0].event.query():
-            self.batches.popleft()
+            self._count_copy(self.batches.popleft())
+
+    def _count_copy(self, batch: _Batch) -> None:
+        """A finished batch's bytes and time on the copy stream (its copies alone: the start
+        event fires once the stream gets to them), for the measured transfer rate."""
+        if batch.start is not None:
+            self._report.copied_bytes += batch.num_bytes
+            self._report.copy_seconds += batch.start.elapsed_time(batch.event) / 1e3
+
+    @contextlib.contextmanager
+    def _timed(self, num_blocks: int) -> "Iterator[None]":
+        """Around one batch of device <-> host copies: their bytes and time (the CPU's are
+        done on return; a GPU's are timed by events on the copy stream, see ``_count_copy``)."""
+        self._copy_bytes = num_blocks * self.layout.block_bytes
+        if self.stream is not None:
+            self._copy_start = torch.cuda.Event(enable_timing=True)
+            self._copy_start.record(self.stream)
+            yield
+            return
+        started = time.perf_counter()
+        yield
+        self._report.copied_bytes += self._copy_bytes
+        self._report.copy_seconds += time.perf_counter() - started
 
     def _wait_for(self, touched: Iterable[int], written: Iterable[int]) -> None:
         """The compute stream waits for the last in-flight copy it must not overtake (one
