@@ -70,6 +70,9 @@ def prefix_tiers(args: argparse.Namespace, setup, requests: list[Request],
         result["tiers"] = after
         results[name] = result
         release(llm)
+        print(f"{name}: computed {result['prompt_tokens_computed']}, TTFT p50 "
+              f"{result['ttft_s']['p50'] * 1e3:.0f} ms p99 {result['ttft_s']['p99'] * 1e3:.0f} ms"
+              f", {result['output_tokens_per_s']:.0f} output tok/s, tiers {after}", flush=True)
     rows = []
     for name, r in results.items():
         t = r["tiers"]
