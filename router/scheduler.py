@@ -11,11 +11,8 @@ when the measured copy is cheaper than the recompute (kv_pricing.py); else the m
 are not copied, and a load is started only where it is cheaper than recomputing, too.
 
 A waiting sequence whose prefix goes on past the device's prefix cache into the host tier or
-disk first loads those blocks: it leaves the queue while they are copied into device blocks
-(``loading``), the others run, and it comes back to the head of the queue when the workers
-report them landed; they are then ordinary prefix hits. Blocks that failed to load are
-recomputed; so is the whole prefix of a load that brought nothing or took longer than
-``kv_load_timeout_s`` (the sequence goes back to the queue and loads no more).
+disk first loads those blocks while the others run (tier_loads.py); they are then ordinary
+prefix hits.
 
 When every running sequence is decoding and nobody waits, one call to the workers may run
 several decode steps back to back (``decode_steps``): the device feeds each step the tokens of
@@ -39,13 +36,13 @@ from collections.abc import Callable, Mapping
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
-from kvstore.block_pool import KVBlock
 from kvstore.kv_cache_manager import KVCacheManager
-from kvstore.tiers import LoadResult, OffloadHits
+from kvstore.tiers import LoadResult
 from kvstore.transfers import TransferReport
 from router.kv_pricing import TransferRates, swap_pays
 from router.prefill_delay import PrefillDelay
 from router.sequence import FinishReason, Sequence, SequenceStatus
+from router.tier_loads import TierLoads
 
 
 @dataclass(frozen=True)
@@ -113,12 +110,9 @@ class Scheduler:
         self._known_to_workers: set[str] = set()
         self._released: list[str] = []
         self.prefill_delay = PrefillDelay(config.scheduler_delay_factor)
-        self.loading: dict[str, Sequence] = {}  # waiting for blocks from the host tier or disk
-        # tokens a sequence's load brought from the host tier and disk, counted as prefix hits
-        # of those tiers when it is admitted
-        self._loaded_tokens: dict[str, tuple[int, int]] = {}
-        self._load_started: dict[str, float] = {}  # by the clock, for the timeout
-        self._recomputes: set[str] = set()  # a load of theirs failed or timed out: no more
+        # waiting for blocks from the host tier or disk
+        self.loads = TierLoads(kv, rates, clock, config.kv_load_timeout_s)
+        self.loading = self.loads.loading  # by request id
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -128,7 +122,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         if self.loading:
-            self._expire_loads()
+            self.waiting.extendleft(reversed(self.loads.expired()))
         output = SchedulerOutput()
         output.num_steps, output.lookahead = self._num_decode_steps()
         budget = self._schedule_running(output, self.config.max_num_batched_tokens)
@@ -243,9 +237,9 @@ class Scheduler:
             if self._waits_for_prefix(seq, len(hits), in_flight):
                 index += 1
                 continue
-            below = self._offloaded(seq, len(hits))
+            below = self.loads.find(seq, len(hits))
             if below is not None:
-                loads = self._start_load(seq, hits, num_cached, below)
+                loads = self.loads.start(seq, hits, num_cached, below)
                 if loads is None:
                     break  # no room for its blocks: memory is short
                 if loads:
@@ -264,7 +258,7 @@ class Scheduler:
             )
             if blocks is None:
                 break
-            host, disk = self._loaded_tokens.pop(seq.request_id, (0, 0))
+            host, disk = self.loads.loaded_tokens.pop(seq.request_id, (0, 0))
             host = min(host, num_cached)  # what a load brought and is still cached
             self.kv.stats.record(seq.num_tokens, num_cached, host, min(disk, num_cached - host))
             del self.waiting[index]
@@ -275,69 +269,12 @@ class Scheduler:
             if in_flight is not None:
                 in_flight.update(self.kv.uncached_hashes(seq.request_id))
 
-    def _offloaded(self, seq: Sequence, num_hits: int) -> OffloadHits | None:
-        """The blocks to load from below the pool: none where loading them costs more than
-        computing them, or after a load of this sequence failed or timed out."""
-        if seq.request_id in self._recomputes:
-            return None
-        below = self.kv.find_offloaded(seq.request_id, seq.token_ids, num_hits)
-        if below is None or not swap_pays(self.rates, 0, below.num_blocks,
-                                          below.num_blocks * self.kv.block_size):
-            return None
-        return below
-
-    def _expire_loads(self) -> None:
-        """Loads past the timeout are given up: their sequences recompute those tokens (the
-        copies may still land; the workers order them before any later use of the blocks)."""
-        deadline = self.clock() - self.config.kv_load_timeout_s
-        for request_id in [r for r, t in self._load_started.items() if t <= deadline]:
-            self._give_up_load(request_id)
-
-    def _give_up_load(self, request_id: str) -> None:
-        self._load_started.pop(request_id, None)
-        seq = self.loading.pop(request_id, None)
-        if seq is None:
-            return
-        self.kv.free(request_id)  # unpins the load's blocks
-        self._recomputes.add(request_id)
-        self.waiting.appendleft(seq)
-
-    def _start_load(self, seq: Sequence, hits: list[KVBlock], num_cached: int,
-                    below: OffloadHits) -> int | None:
-        """Device blocks for the prefix found below the pool, and their load; how many blocks
-        it loads (0: none after all, its blocks are freed again), None when they do not fit."""
-        num_tokens = below.num_blocks * self.kv.block_size
-        if self.kv.allocate_slots(seq.request_id, num_cached, num_tokens, hits) is None:
-            return None
-        count = self.kv.start_load(seq.request_id, seq.token_ids, below)
-        if count:
-            self.loading[seq.request_id] = seq
-            self._load_started[seq.request_id] = self.clock()
-        else:
-            self.kv.free(seq.request_id)
-        return count
-
     def apply_transfers(self, report: TransferReport) -> dict[str, LoadResult]:
-        """The workers' report of KV copies: each sequence whose load landed has its blocks
-        cached (those that arrived intact), frees them, and goes back to the head of the queue,
-        where it finds them as prefix hits. Returns the finished loads' results."""
-        results = self.kv.apply_transfers(report)
-        for request_id, num_loaded in report.loaded.items():
-            seq = self.loading.pop(request_id, None)
-            if seq is None:
-                continue  # aborted or given up while it loaded
-            self._load_started.pop(request_id, None)
-            if num_loaded == 0:  # the copy failed: its blocks would fail again
-                self._recomputes.add(request_id)
-            self.kv.finish_load(request_id, seq.token_ids, num_loaded)
-            self.kv.free(request_id)
-            result = results.get(request_id)
-            if result is not None:  # a sequence may load twice (the first load was cut short)
-                size = self.kv.block_size
-                host, disk = self._loaded_tokens.get(request_id, (0, 0))
-                self._loaded_tokens[request_id] = (host + result.num_host_blocks * size,
-                                                   disk + result.num_disk_blocks * size)
-            self.waiting.appendleft(seq)
+        """The workers' report of KV copies: each sequence whose load landed goes back to the
+        head of the queue, where it finds its blocks as prefix hits (tier_loads.py). Returns
+        the finished loads' results."""
+        results, back = self.loads.landed(report)
+        self.waiting.extendleft(reversed(back))
         return results
 
     def _admit(self, seq: Sequence, num_cached: int) -> None:
@@ -446,12 +383,9 @@ class Scheduler:
         return seq
 
     def _remove(self, request_id: str) -> Sequence | None:
-        self._load_started.pop(request_id, None)
-        self._recomputes.discard(request_id)
-        seq = self.loading.pop(request_id, None)
+        seq = self.loads.forget(request_id)
         if seq is not None:
             return seq
-        self._loaded_tokens.pop(request_id, None)
         for queue in (self.running, self.waiting):
             for seq in queue:
                 if seq.request_id == request_id:
@@ -474,7 +408,7 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def _release(self, seq: Sequence) -> None:
-        self._recomputes.discard(seq.request_id)
+        self.loads.recomputes.discard(seq.request_id)
         if seq in self.running:
             self.running.remove(seq)
         self.kv.free(seq.request_id)
