@@ -46,8 +46,9 @@ def test_a_prefix_on_a_busy_replica_is_pulled_from_its_host_tier(ray_session, ti
         wait_for(lambda: ray_session.get(router.stats.remote()).directory_blocks == 4)
 
         async def pulled_while_replica_0_decodes():
-            # the prefix's own replica is busy decoding another request of the prefix
-            busy = cluster.generate(PREFIX + [8], greedy(200), "busy")
+            # the prefix's own replica is busy with another request of the prefix: it counts
+            # as decoding there until its stream is closed, whether or not it has finished
+            busy = cluster.generate(PREFIX + [8], greedy(8), "busy")
             await busy.__anext__()
             try:
                 return await run(cluster, PREFIX + [9], "pulled")
