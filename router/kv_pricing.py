@@ -72,12 +72,13 @@ def cheapest_pull(rates: TransferRates | None, costs: Mapping[int, float],
                   block_size: int) -> PullChoice | None:
     """The cheapest way to run a request on a replica that pulls the blocks it lacks from the
     replica listing the longest prefix. ``costs``: each candidate's placement cost (prompt
-    tokens, with what it holds already); ``stored``: leading blocks each replica's cache lists
-    (the directory's, not merely pending); ``matched``: what each candidate holds or will.
+    tokens, with what it holds already); ``stored``: leading blocks each live replica's cache
+    lists (the directory's, not merely pending; any of them may be the source);
+    ``matched``: what each candidate holds or will.
     None without a pull rate or when no pull saves anything."""
     if rates is None or rates.pull_bytes_per_s <= 0 or not costs:
         return None
-    source = max(costs, key=lambda index: (stored[index], -index))
+    source = max(stored, key=lambda index: (stored[index], -index))
     best: PullChoice | None = None
     for replica, cost in costs.items():
         first = matched[replica]

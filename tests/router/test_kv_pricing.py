@@ -86,3 +86,14 @@ def test_without_rates_nothing_is_pulled():
     policy, request = policy_with(4, None)
     decision = policy.choose([ReplicaLoad(num_requests=1), ReplicaLoad()], request)
     assert (decision.replica, decision.reason, decision.pull) == (1, "no_match", None)
+
+
+def test_under_the_load_guard_the_least_loaded_replica_pulls_from_the_holder():
+    policy, request = policy_with(4, RATES)
+    policy.max_imbalance = 1
+    # replica 0 holds the prefix with 3 requests in flight, 2 of them decoding (cost 65):
+    # the guard sends the request to 1, which pulls rather than recompute (13 against 17)
+    decision = policy.choose([ReplicaLoad(num_requests=3, num_prefilling=1), ReplicaLoad()],
+                             request)
+    assert (decision.replica, decision.reason) == (1, "pull")
+    assert decision.pull == PullChoice(1, 0, 0, 4, pytest.approx(13.0))
