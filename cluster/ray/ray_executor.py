@@ -84,6 +84,19 @@ class RayExecutor:
         assert output is not None, "rank 0 returns the sampled tokens"
         return output
 
+    def export_host_slots(self, slots: list[int]) -> list[ray.ObjectRef]:
+        """Each shard's bytes of the slots, rank 0 first, as object refs: the bytes go from
+        the shards into Ray's object store, never through this process."""
+        return [actor.export_host_slots.remote(slots) for actor in self.actors]
+
+    def stage_host_import(self, import_id: str, shard_rows: list) -> list[ray.ObjectRef]:
+        """Rank r's rows (an object ref from another replica's rank r) staged in shard r;
+        refs to await."""
+        if len(shard_rows) != len(self.actors):
+            raise ValueError(f"{len(shard_rows)} shards' blocks for {len(self.actors)} shards")
+        return [actor.stage_host_import.remote(import_id, rows)
+                for actor, rows in zip(self.actors, shard_rows, strict=True)]
+
     def profile(self, fn) -> list[str]:
         """Runs fn with torch.profiler on in every shard; each rank's table, rank 0 first."""
         self._all(lambda actor: actor.start_profile.remote())

@@ -38,6 +38,7 @@ from cluster.engine.metrics import (
 from cluster.engine.outputs import EngineStats, RequestDelta
 from cluster.engine.resume import Resume
 from cluster.ray.heartbeat import Heartbeat
+from cluster.ray.kv_pull import ExportedBlocks, export_blocks, import_pull, stage_pull
 from cluster.ray.ray_executor import ShardFailure
 from kvstore.directory import CacheDump
 from router.sampling_params import SamplingParams
@@ -91,7 +92,7 @@ class ReplicaActor:
     def info(self) -> dict[str, object]:
         engine = self._engine()
         return {"model_path": str(engine.model_path), "max_model_len": engine.max_model_len,
-                "kv_hash_keys": engine.kv_hash_keys}
+                "kv_hash_keys": engine.kv_hash_keys, "transfer_rates": engine.transfer_rates}
 
     async def subscribe(
         self, consumer_id: str
@@ -113,10 +114,12 @@ class ReplicaActor:
 
     async def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                      consumer_id: str, resume: Resume | None = None,
-                     wait_s: float | None = None) -> None:
+                     wait_s: float | None = None, pull: ExportedBlocks | None = None) -> None:
         """Queues a request; its deltas go to ``consumer_id``'s stream. Bad input raises here,
         before anything is queued. ``resume``: it continues what a lost replica started.
-        A request that arrives during a rebuild waits for it, up to ``wait_s``."""
+        A request that arrives during a rebuild waits for it, up to ``wait_s``. ``pull``:
+        blocks of its prefix another replica exported, taken into this one's host tier first
+        (kv_pull.py)."""
         try:
             await asyncio.wait_for(self.ready.wait(), wait_s)
         except TimeoutError:
@@ -128,8 +131,28 @@ class ReplicaActor:
             raise ValueError(f"request id '{request_id}' is already in use")
         self.consumers.setdefault(consumer_id, asyncio.Queue())  # subscribe may come second
         self.owners[request_id] = consumer_id
-        self._submit(request_id,
-                     lambda: engine.add_request(prompt_ids, params, request_id, resume))
+        import_id = await stage_pull(engine, pull) if pull is not None else None
+
+        def add() -> None:
+            # staged in this engine's shards: a rebuilt one has none of it
+            if import_id is not None and pull is not None and self.engine is engine:
+                import_pull(engine, import_id, pull)
+            engine.add_request(prompt_ids, params, request_id, resume)
+
+        self._submit(request_id, add)
+
+    async def export_blocks(self, hashes: list, token_ids: list[list[int]]
+                            ) -> ExportedBlocks | None:
+        """The leading blocks of ``hashes`` this replica's host tier holds, in the object
+        store for another replica (kv_pull.py); None when it holds none."""
+        return await export_blocks(self._engine(), self._between_steps, self.replica_id,
+                                   hashes, token_ids)
+
+    async def _between_steps(self, call: Callable[[], object]) -> object:
+        """Runs ``call`` on the loop between two steps; its result."""
+        done: asyncio.Future[object] = asyncio.get_running_loop().create_future()
+        self._submit("", lambda: done.set_result(call()), on_error=done.set_exception)
+        return await done
 
     async def abort(self, request_id: str) -> None:
         self.owners.pop(request_id, None)
@@ -165,7 +188,7 @@ class ReplicaActor:
         assert self.wakeup is not None
         while True:
             if not self.pending and not self.broken and not (
-                    self.engine and self.engine.has_unfinished()):
+                    self.engine and self._has_work(self.engine)):
                 self.wakeup.clear()
                 await self.wakeup.wait()
             if self.broken is not None:
@@ -173,7 +196,7 @@ class ReplicaActor:
                 if broken[0] is self.engine:  # else a failed step has rebuilt it already
                     await self._recover(broken[1])
             self._apply_pending()
-            if self.engine is None or not self.engine.has_unfinished():
+            if self.engine is None or not self._has_work(self.engine):
                 continue
             try:
                 outputs = await asyncio.to_thread(self.engine.step_deltas)
@@ -187,6 +210,11 @@ class ReplicaActor:
             for output in outputs:
                 self._deliver(output.request_id, output)
             self._publish_kv_events()
+
+    @staticmethod
+    def _has_work(engine: LLMEngine) -> bool:
+        """Requests to step, or copies between tiers (an idle engine's write-through)."""
+        return engine.has_unfinished() or engine.has_pending_transfers()
 
     def _publish_kv_events(self) -> None:
         publisher = self.engine.kv_events if self.engine is not None else None

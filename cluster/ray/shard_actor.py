@@ -84,6 +84,17 @@ class ShardActor:
         assert self.worker is not None
         return self.worker.execute(step)
 
+    def export_host_slots(self, slots: list[int]) -> torch.Tensor:
+        """Beside the compiled graph's steps: the slots are pinned by the engine meanwhile."""
+        assert self.worker is not None
+        return self.worker.export_host_slots(slots)
+
+    def stage_host_import(self, import_id: str, rows: torch.Tensor) -> None:
+        """``rows``: another replica's shard of the same rank exported them (Ray resolves the
+        object ref it was sent as)."""
+        assert self.worker is not None
+        self.worker.stage_host_import(import_id, rows)
+
     def device_stats(self) -> DeviceStats | None:
         """Called at scrape time beside the compiled graph's steps: NVML and the allocator's
         counters only, nothing that waits for the device."""
