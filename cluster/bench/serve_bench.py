@@ -21,8 +21,8 @@ from pathlib import Path
 from cluster import environment
 from cluster.bench.http_clients import ClientError, HttpClients, httpx_module
 from cluster.bench.serve_load import SAFE_VOCAB, Load, in_process_sender, run_loads
-from cluster.cli.serve_ports import ServePorts, serve_ports
 from cluster.bench.vllm_results import result_file_name
+from cluster.cli.serve_ports import ServePorts, serve_ports
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 DEFAULT_CONCURRENCIES = "1,8,32,128"
@@ -213,7 +213,7 @@ async def _serve_bench(args: argparse.Namespace, loads: list[Load], config,  # t
           f"process(es) to port(s) {', '.join(str(p) for p in ports.http)}")
     serve.start(http_options={"host": "127.0.0.1", "port": ports.proxy})
     await asyncio.to_thread(serve.run, server_app(config), name="bench", route_prefix="/")
-    clients = HttpClients(urls, config.model_name, processes)
+    clients = await asyncio.to_thread(HttpClients, urls, config.model_name, processes)
     try:
         http = await run_loads(None, args, loads, vocab, runner=clients.run)
     finally:
@@ -247,7 +247,7 @@ async def _bench_base_url(args: argparse.Namespace, loads: list[Load]) -> int:
             model = args.served_model_name or args.model or await first_model_id(client)
         print(f"http: {base_url}/v1/completions, model {model}, streaming, from {processes} "
               "client process(es)")
-        clients = HttpClients([base_url], model, processes, headers)
+        clients = await asyncio.to_thread(HttpClients, [base_url], model, processes, headers)
         try:
             http = await run_loads(None, args, loads, SAFE_VOCAB, runner=clients.run)
         finally:

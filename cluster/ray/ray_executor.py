@@ -6,6 +6,8 @@ step by polling a shared-memory channel, which holds a core busy while the repli
 go first (one ordinary call a shard, ~1 ms, only after an idle spell).
 """
 
+import contextlib
+
 import ray
 from ray.dag import InputNode, MultiOutputNode
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
@@ -131,10 +133,9 @@ class RayExecutor:
 
     def shutdown(self) -> None:
         if self.parked is not None:  # else teardown waits for loops that wait for us
-            try:
+            # a dead shard: teardown ends the others' loops
+            with contextlib.suppress(ShardFailure, ray.exceptions.RayError):
                 self._unpark()
-            except (ShardFailure, ray.exceptions.RayError):
-                pass  # a dead shard: teardown ends the others' loops
         if self.step_graph is not None:
             self.step_graph.teardown(kill_actors=True)
             self.step_graph = None

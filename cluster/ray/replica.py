@@ -263,6 +263,7 @@ class ReplicaActor:
         self.dead_reason = message
         self.ready.clear()
         if old is not None:
+            # on the loop: while it ran elsewhere, metrics() would report neither engine
             self.retired = idle(cumulative(self.retired, old.metrics_snapshot()))
             await asyncio.to_thread(old.shutdown)
         try:
@@ -309,11 +310,12 @@ class ReplicaActor:
     async def metrics(self) -> MetricsSnapshot:
         """Counters and histograms since this process started, across engine rebuilds; the
         gauges of the engine running now (zero while it is rebuilt)."""
-        engine = self.engine
+        engine, retired = self.engine, self.retired
         if engine is None:
-            return self.retired
-        # in a thread: the snapshot asks every shard for its device stats
-        return cumulative(self.retired, await asyncio.to_thread(engine.metrics_snapshot))
+            return retired
+        # in a thread: the snapshot asks every shard for its device stats. ``retired`` as it
+        # was before: a rebuild meanwhile adds this engine's final counts to it
+        return cumulative(retired, await asyncio.to_thread(engine.metrics_snapshot))
 
     async def load_sample(self) -> LoadSample:
         """The autoscaler's signals, each second: no histogram copies, no shard calls."""
