@@ -8,7 +8,9 @@ this actor's CPU whatever it carries (tools/profile/ray_streams.py), in the proc
 steps the engine: one per request per step added up to a good part of a core.
 
 Adds and aborts are applied between steps, by the loop, so the engine is only ever touched by
-one thread at a time while a step runs in a worker thread. After each step the blocks that
+one thread at a time while a step runs in a worker thread (the event loop that takes requests
+and sends deltas never waits for a step). An engine idle for ``PARK_AFTER_S`` parks its shards
+(ray_executor.py): an idle replica uses no CPU to speak of. After each step the blocks that
 entered or left the prefix cache go to the router as one numbered batch (not awaited), which
 keeps the cluster's KV directory; a router that missed one asks for ``dump_cache``.
 
@@ -22,6 +24,7 @@ kept (``retired``), so the replica's counters never go backwards.
 import asyncio
 import itertools
 import logging
+import os
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
@@ -47,6 +50,8 @@ log = logging.getLogger(__name__)
 
 # Ray restarts a replica whose own process dies; it then builds a fresh engine in __init__.
 REPLICA_ACTOR_OPTIONS = {"max_restarts": 3, "max_task_retries": 0, "num_cpus": 0}
+# idle this long, the shards stop polling for steps; the next step costs ~1 ms more
+PARK_AFTER_S = 0.5
 
 
 class ReplicaFailure(RuntimeError):
@@ -55,6 +60,10 @@ class ReplicaFailure(RuntimeError):
 
 class ReplicaActor:
     def __init__(self, config: EngineConfig, replica_id: int = 0, router: object = None) -> None:
+        # Ray warns at any ray.get in an async actor's process; here every one runs in this
+        # constructor (before any call is taken) or on a worker thread (steps, rebuilds, shard
+        # pids, metrics), never on the event loop
+        os.environ["RAY_WARN_BLOCKING_GET_INSIDE_ASYNC"] = "0"
         # shards always run as actors, so a dead shard is seen and the replica survives it
         self.config = replace(config, distributed_executor_backend="ray")
         self.replica_id = replica_id
@@ -190,7 +199,7 @@ class ReplicaActor:
             if not self.pending and not self.broken and not (
                     self.engine and self._has_work(self.engine)):
                 self.wakeup.clear()
-                await self.wakeup.wait()
+                await self._idle()
             if self.broken is not None:
                 broken, self.broken = self.broken, None
                 if broken[0] is self.engine:  # else a failed step has rebuilt it already
@@ -215,6 +224,23 @@ class ReplicaActor:
     def _has_work(engine: LLMEngine) -> bool:
         """Requests to step, or copies between tiers (an idle engine's write-through)."""
         return engine.has_unfinished() or engine.has_pending_transfers()
+
+    async def _idle(self) -> None:
+        """Waits for work; idle past PARK_AFTER_S, the engine's shards are parked first."""
+        assert self.wakeup is not None
+        try:
+            await asyncio.wait_for(self.wakeup.wait(), PARK_AFTER_S)
+            return
+        except TimeoutError:
+            pass
+        engine = self.engine
+        if engine is not None:
+            try:
+                await asyncio.to_thread(engine.executor.park)  # type: ignore[attr-defined]
+            except ShardFailure as error:
+                self.broken = (engine, f"lost a shard and is rebuilding: {error}")
+                return
+        await self.wakeup.wait()
 
     def _publish_kv_events(self) -> None:
         publisher = self.engine.kv_events if self.engine is not None else None
@@ -265,6 +291,7 @@ class ReplicaActor:
         self.dead_reason = message
         self.ready.clear()
         if old is not None:
+            # on the loop: while it ran elsewhere, metrics() would report neither engine
             self.retired = idle(cumulative(self.retired, old.metrics_snapshot()))
             await asyncio.to_thread(old.shutdown)
         try:
@@ -311,9 +338,12 @@ class ReplicaActor:
     async def metrics(self) -> MetricsSnapshot:
         """Counters and histograms since this process started, across engine rebuilds; the
         gauges of the engine running now (zero while it is rebuilt)."""
-        if self.engine is None:
-            return self.retired
-        return cumulative(self.retired, self.engine.metrics_snapshot())
+        engine, retired = self.engine, self.retired
+        if engine is None:
+            return retired
+        # in a thread: the snapshot asks every shard for its device stats. ``retired`` as it
+        # was before: a rebuild meanwhile adds this engine's final counts to it
+        return cumulative(retired, await asyncio.to_thread(engine.metrics_snapshot))
 
     async def load_sample(self) -> LoadSample:
         """The autoscaler's signals, each second: no histogram copies, no shard calls."""
