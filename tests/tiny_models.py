@@ -18,6 +18,10 @@ SPECS = {
     "llama": (LlamaConfig, dict(vocab_size=1001, tie_word_embeddings=False, rope_theta=500000.0)),
     "qwen2": (Qwen2Config, dict(vocab_size=999, tie_word_embeddings=False)),
     "qwen3": (Qwen3Config, dict(vocab_size=1003, head_dim=32, tie_word_embeddings=True)),
+    # eight query heads over two kv heads: tensor parallel at 4 and 8, each kv head replicated
+    # on 2 and 4 ranks (see QKVParallelLinear)
+    "llama-8-heads": (LlamaConfig, dict(vocab_size=1001, num_attention_heads=8,
+                                        tie_word_embeddings=False)),
     # an unrelated draft for "llama" (speculative decoding): its vocabulary, one layer
     "llama-draft": (LlamaConfig, dict(vocab_size=1001, num_hidden_layers=1,
                                       tie_word_embeddings=False)),

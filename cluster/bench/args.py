@@ -4,6 +4,7 @@ serve_bench.py (its load in serve_load.py), speculative's in speculative.py, tp-
 tp_scaling.py, kv-accuracy's in kv_accuracy.py, capacity's in capacity.py."""
 
 import argparse
+import sys
 
 from cluster.bench.capacity import add_capacity_parser
 from cluster.bench.serve_bench import add_serve_bench_parser
@@ -61,7 +62,36 @@ def run_prefix(args: argparse.Namespace) -> int:
     return prefix(args)
 
 
+def tensor_parallel_size(text: str) -> int:
+    value = int(text)
+    if not 1 <= value <= 8:
+        raise argparse.ArgumentTypeError(f"{value}: shards of one replica share a node, 1 to 8")
+    return value
+
+
+def tp_scaling_problem(args: argparse.Namespace) -> str | None:
+    """Why --tp cannot split --shape, before anything is built (a --model folder's engine
+    says so itself, as it starts)."""
+    if args.model is not None:
+        return None
+    from types import SimpleNamespace
+
+    from workers.models.llama import tensor_parallel_sizes
+
+    shape = SimpleNamespace(**SHAPES[args.shape])
+    wrong = [tp for tp in args.tp if tp not in tensor_parallel_sizes(shape)]
+    if not wrong:
+        return None
+    return (f"--tp {' '.join(map(str, wrong))}: does not split {args.shape} "
+            f"({shape.num_attention_heads} attention heads over {shape.num_key_value_heads} kv "
+            f"heads); choose from {', '.join(map(str, tensor_parallel_sizes(shape)))}")
+
+
 def run_tp_scaling(args: argparse.Namespace) -> int:
+    problem = tp_scaling_problem(args)
+    if problem is not None:
+        print(f"tandem bench tp-scaling: error: {problem}", file=sys.stderr)
+        return 2
     from cluster.bench.tp_scaling import tp_scaling
 
     return tp_scaling(args)
@@ -69,11 +99,17 @@ def run_tp_scaling(args: argparse.Namespace) -> int:
 
 def add_tp_scaling_parser(workloads: argparse._SubParsersAction) -> None:
     parser = workloads.add_parser("tp-scaling", help="W7: TPOT and tokens/s at TP 1 vs N")
-    parser.add_argument("--shape", default="llama-3.1-8b")
+    parser.add_argument("--shape", default="llama-3.1-8b", choices=sorted(SHAPES),
+                        help="a real architecture with random bf16 weights (default: "
+                        "%(default)s; llama-3-70b at --tp 4 8)")
     parser.add_argument("--model", help="a model folder instead of a random --shape")
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--tp", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--batch", type=int, nargs="+", default=[1, 64])
+    parser.add_argument("--tp", type=tensor_parallel_size, nargs="+", default=[1, 2],
+                        help="tensor-parallel sizes, run in turn; the first is the base of "
+                        "speedup and scaling efficiency (default: 1 2)")
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 64],
+                        help="requests at once, each run in turn (100 with --output-len 256: "
+                        "the brief's 100 concurrent requests)")
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=256)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.8)

@@ -87,6 +87,17 @@ def model_cost(hf_config, dtype: torch.dtype, num_params: int) -> ModelCost:
     return ModelCost(num_params * element, kv, num_params)
 
 
+def per_rank(cost: ModelCost, tensor_parallel_size: int, num_kv_heads: int) -> ModelCost:
+    """What one of the ranks reads, against its own GPU's ceilings (the ranks read in
+    parallel; the all-reduces between them are left out of the bound): 1/tp of the weights,
+    and its KV heads, one replicated head where there are fewer than ranks."""
+    tp = tensor_parallel_size
+    local_kv_heads = max(1, num_kv_heads // tp)
+    return ModelCost(cost.weight_bytes // tp,
+                     cost.kv_bytes_per_token * local_kv_heads // num_kv_heads,
+                     cost.num_params // tp)
+
+
 def decode_step_seconds(cost: ModelCost, contexts: list[int], ceilings: Ceilings) -> float:
     """One decode step over sequences of these context lengths: read weights and all KV."""
     bytes_moved = cost.weight_bytes + sum(contexts) * cost.kv_bytes_per_token

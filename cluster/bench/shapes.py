@@ -1,10 +1,13 @@
-"""Models of real architectures with random weights: config.json + one safetensors file.
+"""Models of real architectures with random weights: config.json + safetensors files.
 
 Speed does not depend on weight values, so a shape stands in for the real checkpoint. No
-tokenizer is written: prompts are token ids. Folders are cached by shape and dtype.
+tokenizer is written: prompts are token ids. Folders are cached by shape and dtype. A model
+over SHARD_BYTES is written in files of at most that (with HF's index), one file at a time, so
+building the 70B shape (141 GB) never holds more than one file in memory.
 """
 
 import json
+import math
 from pathlib import Path
 
 LLAMA3_ROPE = dict(rope_type="llama3", low_freq_factor=1.0, high_freq_factor=4.0,
@@ -27,6 +30,12 @@ SHAPES: dict[str, dict] = {
         num_key_value_heads=8, head_dim=128, vocab_size=128256, tie_word_embeddings=False,
         max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=500000.0,
         rope_scaling=dict(LLAMA3_ROPE, factor=8.0)),
+    # the brief's 8 x A100 comparison (vLLM, SGLang, TGI, TensorRT-LLM): TP 4 and 8 (W7)
+    "llama-3-70b": dict(
+        architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=8192,
+        intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
+        num_key_value_heads=8, head_dim=128, vocab_size=128256, tie_word_embeddings=False,
+        max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=500000.0),
     # the speculative pair of the catalog (W5): one tokenizer, q/k/v with biases
     "qwen2.5-coder-0.5b": dict(
         architectures=["Qwen2ForCausalLM"], model_type="qwen2", hidden_size=896,
@@ -39,6 +48,7 @@ SHAPES: dict[str, dict] = {
         num_key_value_heads=2, head_dim=128, vocab_size=151936, tie_word_embeddings=True,
         max_position_embeddings=32768, rms_norm_eps=1e-6, rope_theta=1000000.0),
 }
+SHARD_BYTES = 4 << 30
 COMMON = dict(hidden_act="silu", attention_bias=False, mlp_bias=False, bos_token_id=0,
               eos_token_id=1, torch_dtype="bfloat16")
 
@@ -99,21 +109,56 @@ def build_random_model(shape: str, root: Path, config_overrides: dict | None = N
     suffix = "" if not config_overrides else "-" + "-".join(
         f"{k}{v}" for k, v in sorted(config_overrides.items()))
     folder = Path(root) / f"{shape}{suffix}-random{'' if seed == 0 else f'-seed{seed}'}"
-    if (folder / "model.safetensors").is_file():
+    if is_built(folder):
         return folder
     folder.mkdir(parents=True, exist_ok=True)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     gen = torch.Generator(device=device).manual_seed(seed)
-    tensors = {}
-    for name, size in parameter_shapes(config).items():
-        if name.endswith(".bias"):
-            tensors[name] = torch.zeros(size, dtype=torch.bfloat16)
-        elif len(size) == 1:  # norm weights
-            tensors[name] = torch.ones(size, dtype=torch.bfloat16)
-        else:
-            weight = torch.randn(size, generator=gen, device=device, dtype=torch.bfloat16)
-            tensors[name] = weight.mul_(0.02).cpu()
-    save_file(tensors, str(folder / "model.safetensors.tmp"), metadata={"format": "pt"})
-    (folder / "config.json").write_text(json.dumps(config, indent=2))
-    (folder / "model.safetensors.tmp").rename(folder / "model.safetensors")
+    files = shard_files(parameter_shapes(config), SHARD_BYTES)
+    shapes = parameter_shapes(config)
+    for file, names in files.items():  # in parameter order: one seed, the same tensors
+        tensors = {name: random_tensor(name, shapes[name], gen, device) for name in names}
+        save_file(tensors, str(folder / f"{file}.tmp"), metadata={"format": "pt"})
+        (folder / f"{file}.tmp").rename(folder / file)
+    if len(files) > 1:
+        weight_map = {name: file for file, names in files.items() for name in names}
+        (folder / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {}, "weight_map": weight_map}, indent=2))
+    (folder / "config.json").write_text(json.dumps(config, indent=2))  # last: it is built
     return folder
+
+
+def is_built(folder: Path) -> bool:
+    weights = (folder / "model.safetensors").is_file() or (
+        folder / "model.safetensors.index.json").is_file()
+    return weights and (folder / "config.json").is_file()
+
+
+def random_tensor(name: str, size: tuple[int, ...], gen, device: str):
+    """bf16: biases 0, norm weights 1, matrices N(0, 0.02)."""
+    import torch
+
+    if name.endswith(".bias"):
+        return torch.zeros(size, dtype=torch.bfloat16)
+    if len(size) == 1:  # norm weights
+        return torch.ones(size, dtype=torch.bfloat16)
+    weight = torch.randn(size, generator=gen, device=device, dtype=torch.bfloat16)
+    return weight.mul_(0.02).cpu()
+
+
+def shard_files(shapes: dict[str, tuple[int, ...]], max_bytes: int) -> dict[str, list[str]]:
+    """File name -> the parameters it holds, in order, each file at most max_bytes of bf16
+    (a tensor larger alone gets a file of its own); one file: model.safetensors."""
+    groups: list[list[str]] = [[]]
+    size = 0
+    for name, shape in shapes.items():
+        nbytes = 2 * math.prod(shape)
+        if groups[-1] and size + nbytes > max_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(name)
+        size += nbytes
+    if len(groups) == 1:
+        return {"model.safetensors": groups[0]}
+    n = len(groups)
+    return {f"model-{i + 1:05d}-of-{n:05d}.safetensors": g for i, g in enumerate(groups)}

@@ -2,10 +2,13 @@
 
 Every configuration runs its shards as Ray actors (the same executor), one after another on
 the same GPUs; TP=1 in the engine's own process ("uni") is measured too, as a user gets it by
-default. The bound is the weight bytes each GPU reads per step over the copy bandwidth
-measured in the run. Greedy agreement between TP=1 and TP=N is reported for bf16.
+default. The bound is each rank's share of the roofline (roofline.py: its weight and KV bytes
+over the copy bandwidth, its FLOPs over the matmul rate, both measured in the run on one GPU):
+TPOT at batch 1, output tokens/s at every batch. Greedy agreement between the first TP and the
+others is reported for bf16.
 
-    tandem bench tp-scaling --shape llama-3.1-8b --tp 1 2 --batch 1 64
+    tandem bench tp-scaling --shape llama-3.1-8b --tp 1 2 4 8 --batch 1 64
+    python -m cluster.bench tp-scaling --shape llama-3-70b --tp 4 8 --batch 1 100 --output-len 256
 """
 
 import argparse
@@ -20,10 +23,20 @@ from pathlib import Path
 import torch
 
 from cluster.bench.report import machine_facts, markdown_table
-from cluster.bench.roofline import measure_bandwidth
+from cluster.bench.roofline import (
+    Ceilings,
+    ModelCost,
+    as_dict,
+    latency_bound,
+    measure_ceilings,
+    model_cost,
+    per_rank,
+    workload_bound,
+)
 from cluster.bench.shapes import build_random_model
 from cluster.engine.llm import LLM
 from router.sampling_params import SamplingParams
+from workers.loader import load_config
 
 AGREEMENT_PROMPTS = 4
 AGREEMENT_TOKENS = 32
@@ -86,36 +99,66 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> float:
     return sum(prefix) / len(prefix)
 
 
+def run_bounds(cost: ModelCost, num_kv_heads: int, tp: int, batch: int,
+               args: argparse.Namespace, ceilings: Ceilings) -> dict:
+    """The roofline of one run at this TP, per rank (roofline.per_rank): TPOT at batch 1, and
+    output tokens/s of ``batch`` requests at once (``--batch 100``: the brief's 100
+    concurrent requests of 256 output tokens)."""
+    rank = per_rank(cost, tp, num_kv_heads)
+    bound = workload_bound(rank, [args.prompt_len] * batch, [args.output_len] * batch, ceilings)
+    tpot = latency_bound(rank, args.prompt_len, args.output_len, ceilings)["tpot_s"]
+    return {"tpot_ms": 1e3 * tpot if batch == 1 else None,
+            "output_tok_per_s": bound["output_tokens_per_s"]}
+
+
+def table_rows(results: list[dict], cost: ModelCost, num_kv_heads: int,
+               args: argparse.Namespace, ceilings: Ceilings) -> list[list]:
+    base = results[0]
+    rows = []
+    for result in results:
+        tp = result["tp"]
+        for run, base_run in zip(result["runs"], base["runs"], strict=True):
+            bound = run["bound"] = run_bounds(cost, num_kv_heads, tp, run["batch"], args,
+                                              ceilings)
+            speedup = base_run["tpot_ms_p50"] / run["tpot_ms_p50"]
+            rows.append([f"{tp} ({result['executor']})", run["batch"], run["tpot_ms_p50"],
+                         speedup, speedup / (tp / base["tp"]), bound["tpot_ms"],
+                         bound["tpot_ms"] / run["tpot_ms_p50"] if bound["tpot_ms"] else None,
+                         run["output_tok_per_s"], bound["output_tok_per_s"],
+                         run["output_tok_per_s"] / bound["output_tok_per_s"],
+                         run["ttft_ms_p50"]])
+        result["greedy_agreement_with_first"] = agreement(base["greedy"], result["greedy"])
+    return rows
+
+
 def tp_scaling(args: argparse.Namespace) -> int:
     folder = Path(args.model) if args.model else build_random_model(args.shape,
                                                                      Path(args.model_root))
     weight_bytes = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
-    bandwidth = measure_bandwidth(torch.device(args.device))
+    hf_config = load_config(folder)
+    device = torch.device(args.device)
+    # the files hold bf16 (a --shape's); the run's dtype: bf16 on a GPU, float32 on the CPU
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    cost = model_cost(hf_config, dtype, weight_bytes // 2)
+    ceilings = measure_ceilings(device)
     variants = {"symmetric": [True], "nccl": [False], "both": [False, True]}[args.all_reduce]
     results = [measure(folder, tp, "ray", args, symmetric)
                for tp in args.tp for symmetric in (variants if tp > 1 else [True])]
     if args.with_uni:
         results.append(measure(folder, 1, "uni", args))
-    base = results[0]
-    rows = []
-    for result in results:
-        for run, base_run in zip(result["runs"], base["runs"], strict=True):
-            bound_ms = 1e3 * weight_bytes / result["tp"] / bandwidth
-            rows.append([f"{result['tp']} ({result['executor']})", run["batch"],
-                         run["tpot_ms_p50"], base_run["tpot_ms_p50"] / run["tpot_ms_p50"],
-                         bound_ms if run["batch"] == 1 else None, run["output_tok_per_s"],
-                         run["ttft_ms_p50"]])
-        result["greedy_agreement_with_first"] = agreement(base["greedy"], result["greedy"])
+    rows = table_rows(results, cost, hf_config.num_key_value_heads, args, ceilings)
     table = markdown_table(["TP (executor)", "batch", "TPOT p50 ms", "speedup vs first",
-                            "TPOT bound ms", "output tok/s", "TTFT p50 ms"], rows)
+                            "scaling efficiency", "TPOT bound ms", "of TPOT bound",
+                            "output tok/s", "bound tok/s", "of tok/s bound", "TTFT p50 ms"],
+                           rows)
     print(table)
     for result in results:
         print(f"greedy agreement TP={result['tp']} ({result['executor']}) vs first: "
               f"{result['greedy_agreement_with_first']:.3f}")
     record = {"workload": "W7", "shape": args.shape, "args": vars(args),
-              "environment": machine_facts(torch.device(args.device)),
-              "copy_bandwidth_bytes_per_s": bandwidth, "weight_bytes": weight_bytes,
-              "results": results, "table": table}
+              "environment": machine_facts(device), "ceilings": as_dict(ceilings),
+              "weight_bytes": weight_bytes, "results": results, "table": table}
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output).write_text(json.dumps(record, indent=2, default=str))
     return 0
+

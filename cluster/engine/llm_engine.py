@@ -58,6 +58,7 @@ from workers.catalog import resolve_model
 from workers.device_stats import DeviceStats
 from workers.gc_freeze import freeze_start_up_objects, unfreeze
 from workers.loader import load_config
+from workers.models.llama import check_tensor_parallel
 from workers.spec.config import SpeculativeConfig
 from workers.worker import WorkerConfig
 
@@ -122,6 +123,7 @@ class LLMEngine:
         speculation = config.speculation
         if speculation is not None and speculation.model is not None:
             check_draft_model(resolve_model(speculation.model, config.cache_dir), hf_config)
+        check_tensor_parallel(hf_config, config.tensor_parallel_size)  # before shards start
         if config.disk_kv_cache_dir is not None:  # before the model loads
             check_directory(Path(config.disk_kv_cache_dir))
         self.executor = executor or make_executor(config, self.model_path)

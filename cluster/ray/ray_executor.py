@@ -13,6 +13,7 @@ from ray.dag import InputNode, MultiOutputNode
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from cluster.ray.placement import check_placeable, shard_bundle
 from cluster.ray.shard_actor import SHARD_ACTOR_OPTIONS, Park, ShardActor
 from workers.device_stats import DeviceStats
 from workers.kv_offload import OffloadInfo
@@ -31,8 +32,9 @@ class RayExecutor:
         on_gpu = config.device.startswith("cuda")
         if on_gpu:  # each actor runs on its own GPU, the current CUDA device it picks
             config = WorkerConfig(**{**config.__dict__, "device": "cuda"})
-        gpus = config.gpu_fraction if on_gpu else 0
-        bundle = {"GPU": gpus, "CPU": 1} if on_gpu else {"CPU": 1}
+        bundle = shard_bundle(on_gpu, config.gpu_fraction)
+        # a group no node can hold would wait for ever: refuse it now, saying why
+        check_placeable(bundle, tensor_parallel_size)
         # STRICT_PACK: every shard of one replica on one node, where NVLink joins the GPUs
         self.placement_group: PlacementGroup = placement_group(
             [bundle] * tensor_parallel_size, strategy="STRICT_PACK"
@@ -45,7 +47,7 @@ class RayExecutor:
             raise
         self.actors = [
             ray.remote(ShardActor).options(
-                num_cpus=1, num_gpus=gpus, **SHARD_ACTOR_OPTIONS,
+                num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0), **SHARD_ACTOR_OPTIONS,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     self.placement_group, placement_group_bundle_index=rank
                 ),

@@ -33,6 +33,7 @@ from cluster.engine.resume import Resume
 from cluster.ray.autoscaler import ReplicaAutoscaler
 from cluster.ray.failover import ReplicaLost, process_died, with_failover
 from cluster.ray.kv_pull import ExportedBlocks, block_tokens, measure_pull_bandwidth
+from cluster.ray.placement import check_placeable, shard_bundle
 from cluster.ray.refusals import Draining, Overloaded, Unavailable
 from cluster.ray.replica import REPLICA_ACTOR_OPTIONS, ReplicaActor
 from cluster.ray.replica_monitor import MONITOR_ACTOR_OPTIONS, ReplicaMonitor
@@ -88,6 +89,10 @@ class TandemCluster:
             ray.init()
         # pull once here, not in every replica at the same time
         resolve_model(config.model, config.cache_dir)
+        # every replica is a placement group of its own: refuse at once what no node can hold
+        check_placeable(shard_bundle(config.resolved_device.startswith("cuda"),
+                                     config.gpu_fraction),
+                        config.tensor_parallel_size, num_replicas)
         self.config = config
         self.policy = policy = policy or ServingPolicy()
         self._streams: dict[int, ReplicaStream] = {}  # by replica index

@@ -76,6 +76,27 @@ def kv_cache_shape_per_layer(config: PretrainedConfig, tp_size: int) -> tuple[in
     return max(1, config.num_key_value_heads // tp_size), head_dim_of(config)
 
 
+def tensor_parallel_sizes(config: PretrainedConfig, limit: int = 8) -> list[int]:
+    """The shard counts up to ``limit`` this decoder splits into (see QKVParallelLinear and
+    MergedColumnParallelLinear): every count dividing the query heads and the MLP's width,
+    with the KV heads split evenly or each replicated on a whole number of ranks."""
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    return [tp for tp in range(1, limit + 1)
+            if heads % tp == 0 and config.intermediate_size % tp == 0
+            and (kv_heads % tp == 0 if kv_heads >= tp else tp % kv_heads == 0)]
+
+
+def check_tensor_parallel(config: PretrainedConfig, tp_size: int) -> None:
+    """A clear error, before any shard starts, where tp_size does not split this model."""
+    if tp_size not in tensor_parallel_sizes(config, max(tp_size, 8)):
+        raise ValueError(
+            f"tensor_parallel_size={tp_size} does not split this model: "
+            f"{config.num_attention_heads} attention heads over "
+            f"{config.num_key_value_heads} kv heads, intermediate size "
+            f"{config.intermediate_size} (sizes that do: "
+            f"{', '.join(map(str, tensor_parallel_sizes(config)))})")
+
+
 def num_layers(config: PretrainedConfig) -> int:
     return config.num_hidden_layers
 
