@@ -100,3 +100,9 @@ def disable_symmetric_memory_multicast() -> None:
     """No NVLink multicast object at a symmetric-memory rendezvous: nothing of ours uses it, and
     on some hosts creating one is unsafe (PyTorch reads this when the first buffer is mapped)."""
     os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
+
+
+def quiet_blocking_get_warning() -> None:
+    """Ray warns at any ``ray.get`` in an async actor's process; a replica actor calls it only
+    in its constructor or on worker threads, never on its event loop, so the warning is noise."""
+    os.environ["RAY_WARN_BLOCKING_GET_INSIDE_ASYNC"] = "0"

@@ -29,9 +29,11 @@ MAY_IMPORT = {
 ALLOWED = {("cluster/engine/llm_engine.py", "cluster.ray.ray_executor"),
            ("cluster/engine/llm_engine.py", "cluster.ray.draft_actor"),
            ("cluster/engine/llm_engine.py", "cluster.ray.draft_actor.draft_actor")}
-# the edges that may call cluster/environment.py (it alone touches os.environ)
+# the edges that may call cluster/environment.py (it alone touches os.environ); the shard
+# and replica actors set their own process's variables as they start
 ENVIRONMENT_CALLERS = ("cluster/cli/", "cluster/bench/", "cluster/engine/config.py",
-                       "cluster/serve/config.py", "cluster/ray/shard_actor.py")
+                       "cluster/serve/config.py", "cluster/ray/shard_actor.py",
+                       "cluster/ray/replica.py")
 ENTRY_POINTS = ("cluster/cli/main.py", "cluster/bench/__main__.py")
 
 

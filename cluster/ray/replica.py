@@ -24,11 +24,11 @@ kept (``retired``), so the replica's counters never go backwards.
 import asyncio
 import itertools
 import logging
-import os
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 
+from cluster import environment
 from cluster.engine.config import EngineConfig
 from cluster.engine.llm_engine import LLMEngine
 from cluster.engine.metrics import (
@@ -60,10 +60,9 @@ class ReplicaFailure(RuntimeError):
 
 class ReplicaActor:
     def __init__(self, config: EngineConfig, replica_id: int = 0, router: object = None) -> None:
-        # Ray warns at any ray.get in an async actor's process; here every one runs in this
-        # constructor (before any call is taken) or on a worker thread (steps, rebuilds, shard
-        # pids, metrics), never on the event loop
-        os.environ["RAY_WARN_BLOCKING_GET_INSIDE_ASYNC"] = "0"
+        # every ray.get here runs in this constructor (before any call is taken) or on a worker
+        # thread (steps, rebuilds, shard pids, metrics), never on the event loop
+        environment.quiet_blocking_get_warning()
         # shards always run as actors, so a dead shard is seen and the replica survives it
         self.config = replace(config, distributed_executor_backend="ray")
         self.replica_id = replica_id
