@@ -52,7 +52,9 @@ def test_kv_cache_dtype_reaches_the_workers_and_the_block_hashes(tiny_models):
     # the shard actors of a tensor-parallel replica are built from this WorkerConfig too
     assert worker_config(config, tiny_models["llama"]).kv_cache_dtype == "int8"
     llm = engine(tiny_models, "int8")
-    assert llm.engine.kv_hash_keys[1] == (str(tiny_models["llama"]), "kv_cache_dtype=int8")
+    # the format's key names the keys' rotation: blocks of unrotated int8 never match
+    want = (str(tiny_models["llama"]), "kv_cache_dtype=int8+hadamard-keys")
+    assert llm.engine.kv_hash_keys[1] == want
     assert engine(tiny_models, "auto").engine.kv_hash_keys[1] == (str(tiny_models["llama"]),)
 
 
