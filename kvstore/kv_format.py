@@ -19,18 +19,21 @@ bfloat16 blocks; with 2 bytes it holds 128 / 66 = 1.94x (1.97x at head_dim 128).
 with the scale as stored (rounded to float16 first) keeps the error bound exact, and clamping
 the scale into float16's normal range keeps it finite and non-zero (see workers/kv_quant.py).
 
-Keys rotated (``rotate_keys``, both quantized formats): each token's key row of every kv head
-is stored as k @ H, H the normalized Sylvester Hadamard matrix of order head_dim (symmetric,
-H @ H = I), taken after rotary and before quantizing; every query is rotated alike before
-attention, so q @ H . k @ H = q . k and the attention kernels read the blocks as before. Values
-are not rotated. Why: a key row's few outlier channels set its absmax, hence the int8 step of
-all its other channels; H spreads each outlier over all head_dim channels, so the absmax falls
-toward the row's RMS and the step with it (SmolLM2-135M's top-1 agreement 98.73% -> 99.30%,
-docs/benchmarks.md). The rotation belongs to the block format, recorded here and in the
-blocks' hash keys (``hash_key``), so nothing that shares or moves blocks — the prefix cache,
-the offload tiers, speculation, tensor parallelism (a rank rotates its own heads), CUDA
-graphs — changes: a block is bytes whose meaning the format names. A head_dim that is no power
-of two has no Sylvester matrix: such a model's keys are stored unrotated (``rotates_keys``).
+Keys rotated (``rotate_keys``, int8 only): each token's key row of every kv head is stored as
+k @ H, H the normalized Sylvester Hadamard matrix of order head_dim (symmetric, H @ H = I),
+taken after rotary and before quantizing; every query is rotated alike before attention, so
+q @ H . k @ H = q . k and the attention kernels read the blocks as before. Values are not
+rotated. Why: a key row's few outlier channels set its absmax, hence the int8 step of all its
+other channels; H spreads each outlier over all head_dim channels, so the absmax falls toward
+the row's RMS and the step with it (top-1 agreement 98.73% -> 99.36% on SmolLM2-135M,
+93.3% -> 95.3% on Qwen2.5-Coder-0.5B: docs/benchmarks.md). Not for fp8: e4m3 gives each
+element its own exponent, so an outlier costs the other channels nothing, and spreading it
+makes every channel large and as coarse as it (Qwen2.5-Coder-0.5B: 93.9% unrotated, 80.4%
+rotated). The rotation belongs to the block format, recorded here and in the blocks' hash
+keys (``hash_key``), so nothing that shares or moves blocks — the prefix cache, the offload
+tiers, speculation, tensor parallelism (a rank rotates its own heads), CUDA graphs — changes:
+a block is bytes whose meaning the format names. A head_dim that is no power of two has no
+Sylvester matrix: such a model's keys are stored unrotated (``rotates_keys``).
 
 Pure description: names and byte counts, no tensors. workers/ maps ``element_dtype`` and
 ``scale_dtype`` (torch's names) to torch dtypes.
@@ -87,7 +90,7 @@ class KVFormat:
 
 
 INT8 = KVFormat("int8", "int8", 1, 127.0, rotate_keys=True)
-FP8 = KVFormat("fp8", "float8_e4m3fn", 1, 448.0, rotate_keys=True)
+FP8 = KVFormat("fp8", "float8_e4m3fn", 1, 448.0)  # unrotated keys: see above
 QUANTIZED_FORMATS = (INT8, FP8)
 
 

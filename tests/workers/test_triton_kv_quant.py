@@ -214,9 +214,9 @@ def test_a_quantized_cache_needs_its_scales():
 @pytest.mark.parametrize("fmt", [INT8, FP8])
 def test_a_fused_model_on_a_quantized_cache_matches_the_plain_one(tiny_models, name, fmt):
     """Fused on the Triton backend, the attention input quantizes K and V (the one-row decode
-    step too, which leaves the qkv + store kernel for it), after rotating k by H (head_dim 16
-    and 32); plain on the reference backend, PyTorch rotates, stores and attends. Both read
-    the same rotated blocks."""
+    step too, which leaves the qkv + store kernel for it), int8's after rotating k by H
+    (head_dim 16 and 32); plain on the reference backend, PyTorch rotates, stores and attends.
+    Both read the same blocks."""
     def load(fused):
         tp = TensorParallelGroup.single()
         backend = TritonAttentionBackend() if fused else ReferenceAttentionBackend()
@@ -224,7 +224,7 @@ def test_a_fused_model_on_a_quantized_cache_matches_the_plain_one(tiny_models, n
 
     (plain, config), (fused, _) = load(False), load(True)
     ids = prompt(config.vocab_size)
-    assert fmt.rotates_keys(head_dim_of(config))
+    assert fmt.rotates_keys(head_dim_of(config)) == (fmt == INT8)  # fp8 keys: unrotated
     want = prefill_then_decode(plain, config, ids, kv_format=fmt)
     got = prefill_then_decode(fused, config, ids, kv_format=fmt)
     for g, w in zip(got, want, strict=True):  # [prefill logits, decode logits]

@@ -35,7 +35,8 @@ def test_prefix_hits_on_quantized_blocks_give_the_recomputed_tokens(tiny_models,
     layer = worker.kv_caches[0]
     assert layer.k.dtype == {"int8": torch.int8, "fp8": torch.float8_e4m3fn}[kv_cache_dtype]
     assert layer.k_scale is not None and layer.k_scale.dtype == torch.float16
-    assert layer.key_rotation is not None  # the blocks hit hold rotated keys (head_dim 16)
+    # int8's blocks hold rotated keys (head_dim 16), fp8's keys as they are
+    assert (layer.key_rotation is not None) == (kv_cache_dtype == "int8")
 
 
 def test_chunked_prefill_and_preemption_on_int8_blocks_change_no_token(tiny_models):
