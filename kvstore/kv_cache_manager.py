@@ -215,6 +215,20 @@ class KVCacheManager:
         """The copies between tiers the next step message carries."""
         return None if self.tiers is None else self.tiers.take(self.pool)
 
+    def num_cached_blocks(self, request_id: str) -> int:
+        """The request's leading blocks registered in the prefix cache."""
+        return self.req_num_cached.get(request_id, 0)
+
+    def num_missing_from_host(self, request_id: str) -> int:
+        """Of those, the blocks a swap-out would copy: neither in the host tier nor on their
+        way there."""
+        if self.tiers is None:
+            return 0
+        tiers = self.tiers
+        blocks = self.req_blocks.get(request_id, [])[:self.num_cached_blocks(request_id)]
+        return sum(1 for b in blocks if b.block_hash is not None
+                   and b.block_hash not in tiers.host and b.block_hash not in tiers.pending)
+
     def swap_out(self, request_id: str) -> None:
         """A preempted request's cached blocks go to the host tier (most are there already)."""
         if self.tiers is not None:

@@ -15,6 +15,11 @@ same block under the same chained hash. This manager decides the copies; the wor
                     blocks while the sequence waits and others run; disk blocks pass through a
                     host slot (and so stay in the host tier)
 
+    export          the host-tier blocks of a prefix, read by every shard for another
+                    replica (through Ray's object store); pinned until the reads are done
+    import          blocks another replica exported, staged in each shard, written into
+                    host slots by the next step: then they are ordinary host-tier blocks
+
 A block is pinned in every tier it is read from while its load is under way. A load's report
 (``TransferReport``) unpins it; a disk read that failed removes the block from both tiers, and
 the tokens it held are recomputed.
@@ -28,7 +33,14 @@ from kvstore.block_hash import BlockHash
 from kvstore.block_pool import BlockPool, KVBlock
 from kvstore.disk_tier import DiskTier
 from kvstore.host_tier import HostBlock, HostTier
-from kvstore.transfers import BlockLoad, DiskRead, DiskWrite, KVTransfers, TransferReport
+from kvstore.transfers import (
+    BlockLoad,
+    DiskRead,
+    DiskWrite,
+    HostImport,
+    KVTransfers,
+    TransferReport,
+)
 
 HOST, DISK = "host", "disk"
 
@@ -75,6 +87,10 @@ class TierCounters:
     written_to_disk: int = 0
     loaded_from_host: int = 0
     read_from_disk: int = 0
+    exported: int = 0  # read for another replica
+    imported: int = 0  # pulled from another replica into the host tier
+    copied_bytes: int = 0  # device <-> host, as rank 0 measured them
+    copy_seconds: float = 0.0
 
 
 @dataclass
@@ -94,6 +110,8 @@ class TierManager:
         self.plan = KVTransfers()  # the next step message's copies, gathered until taken
         self.counters = TierCounters()
         self._planned_disk: list[BlockHash] = []  # disk entries pinned until the plan is sent
+        self._planned_host: list[BlockHash] = []  # imported host entries, likewise
+        self.exports: dict[str, list[BlockHash]] = {}  # export id -> the blocks it pins
 
     # -- write-through and swap-out -------------------------------------------------------
 
@@ -200,6 +218,8 @@ class TierManager:
     def apply(self, report: TransferReport) -> dict[str, LoadResult]:
         """The workers' report: failed reads leave both tiers, finished loads are unpinned,
         and a failed disk switches that tier off. Returns the finished loads' results."""
+        self.counters.copied_bytes += report.copied_bytes
+        self.counters.copy_seconds += report.copy_seconds
         for block_hash in report.failed_reads:
             self.host.discard(block_hash)
             if self.disk is not None:
@@ -214,6 +234,56 @@ class TierManager:
         if report.disk_error is not None and self.disk is not None:
             self.disk.disable(report.disk_error)
         return results
+
+    # -- across replicas ------------------------------------------------------------------
+
+    def start_export(self, export_id: str, hashes: Sequence[BlockHash],
+                     token_ids: Sequence[Sequence[int]]) -> list[int]:
+        """The host slots of the leading blocks of ``hashes`` that the host tier holds (a
+        contiguous run, verified against their tokens), pinned until ``finish_export``: the
+        shards read them for another replica meanwhile."""
+        if export_id in self.exports:
+            raise ValueError(f"export id '{export_id}' is already in use")
+        slots: list[int] = []
+        for block_hash, tokens in zip(hashes, token_ids, strict=False):
+            block = self.host.lookup(block_hash, tokens)
+            if block is None:
+                break
+            slots.append(block.slot)
+        pinned = list(hashes[:len(slots)])
+        for block_hash in pinned:
+            self.host.pin(block_hash)
+        self.exports[export_id] = pinned
+        self.counters.exported += len(pinned)
+        return slots
+
+    def finish_export(self, export_id: str) -> None:
+        for block_hash in self.exports.pop(export_id, []):
+            self.host.unpin(block_hash)
+
+    def import_blocks(self, import_id: str, hashes: Sequence[BlockHash],
+                      token_ids: Sequence[Sequence[int]]) -> int:
+        """Host slots for the blocks another replica exported (staged in every shard under
+        ``import_id``, one row a block), written by the next step; blocks already here are
+        touched instead. Returns how many are imported (fewer when every slot is pinned)."""
+        rows: list[int] = []
+        slots: list[int] = []
+        for row, (block_hash, tokens) in enumerate(zip(hashes, token_ids, strict=True)):
+            if block_hash in self.host:
+                self.host.touch(block_hash)
+                continue
+            got = self.host.allocate(block_hash, tokens, pinned=True)
+            if got is None:
+                break
+            slot, evicted = got
+            self._demote(evicted)  # written to disk before the import overwrites its slot
+            self._planned_host.append(block_hash)
+            rows.append(row)
+            slots.append(slot)
+        # planned even when empty: the shards drop the staged bytes then
+        self.plan.imports.append(HostImport(import_id, rows, slots))
+        self.counters.imported += len(rows)
+        return len(rows)
 
     # -- the step message -------------------------------------------------------------------
 
@@ -244,6 +314,9 @@ class TierManager:
             if self.disk is not None and block_hash in self.disk:
                 self.disk.unpin(block_hash)
         self._planned_disk.clear()
+        for block_hash in self._planned_host:
+            self.host.unpin(block_hash)
+        self._planned_host.clear()
         plan, self.plan = self.plan, KVTransfers()
         return None if plan.is_empty else plan
 
@@ -267,6 +340,8 @@ class TierManager:
         disk_pins: dict[BlockHash, int] = {}
         for block_hash in self._planned_disk:  # written by the step message not sent yet
             disk_pins[block_hash] = disk_pins.get(block_hash, 0) + 1
+        for block_hash in [*self._planned_host, *(h for e in self.exports.values() for h in e)]:
+            host_pins[block_hash] = host_pins.get(block_hash, 0) + 1
         for load in self.loads.values():
             for block_hash, tier in load.held():
                 host_pins[block_hash] = host_pins.get(block_hash, 0) + 1

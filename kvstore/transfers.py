@@ -7,6 +7,8 @@ which is what makes reusing a slot or a block within one step safe::
                                             is written again below
     stores_first   device block -> host     blocks the GPU pool handed out again in this
                                             step: copied before the forward overwrites them
+    imports        staged bytes -> host     blocks pulled from another replica's host tier
+                   slot                     (staged in each shard before this step)
     from_disk      file -> host slot        (checked on read)
     loads          host slot -> device block
     -- the forward --
@@ -43,17 +45,29 @@ class BlockLoad:
 
 
 @dataclass
+class HostImport:
+    """Blocks another replica exported, staged in every shard under ``import_id`` (one row
+    a block): rows ``rows[i]`` go into host slots ``slots[i]``; the staged bytes are dropped
+    after (no rows: nothing of them was wanted)."""
+
+    import_id: str
+    rows: list[int]
+    slots: list[int]
+
+
+@dataclass
 class KVTransfers:
     to_disk: list[DiskWrite] = field(default_factory=list)
     stores_first: list[tuple[int, int]] = field(default_factory=list)  # (device block, slot)
+    imports: list[HostImport] = field(default_factory=list)
     from_disk: list[DiskRead] = field(default_factory=list)
     loads: list[BlockLoad] = field(default_factory=list)
     stores: list[tuple[int, int]] = field(default_factory=list)  # (device block, slot)
 
     @property
     def is_empty(self) -> bool:
-        return not (self.to_disk or self.stores_first or self.from_disk or self.loads
-                    or self.stores)
+        return not (self.to_disk or self.stores_first or self.imports or self.from_disk
+                    or self.loads or self.stores)
 
 
 @dataclass
@@ -65,7 +79,10 @@ class TransferReport:
     loaded: dict[str, int] = field(default_factory=dict)
     failed_reads: list[BlockHash] = field(default_factory=list)  # disk reads refused
     disk_error: str | None = None  # the disk tier failed (full, unwritable): switch it off
+    # device <-> host copies finished since, and their time on the copy stream: the rate
+    copied_bytes: int = 0
+    copy_seconds: float = 0.0
 
     @property
     def is_empty(self) -> bool:
-        return not (self.loaded or self.failed_reads or self.disk_error)
+        return not (self.loaded or self.failed_reads or self.disk_error or self.copied_bytes)

@@ -7,6 +7,11 @@ guard sends the request to the least-loaded replica instead when the cheapest on
 more requests in flight, so one hot prefix cannot pile onto one replica while others idle; and
 the hashes of requests just routed count as held there for a few seconds ("pending"), so a
 burst of one group sticks together before the replica's events arrive.
+
+With measured transfer rates (``set_rates``: host tiers on, several replicas) it also prices a
+third choice beside sending the request where its blocks are and recomputing them elsewhere:
+running it on another replica that first pulls them from the holder's host tier
+(kv_pricing.py). The cheapest of the three wins, the load guard still applying.
 """
 
 import time
@@ -17,6 +22,7 @@ from typing import Protocol
 
 from kvstore.block_hash import BlockHash
 from kvstore.directory import KVDirectory
+from router.kv_pricing import PullChoice, TransferRates, cheapest_pull
 
 
 @dataclass(frozen=True)
@@ -38,11 +44,12 @@ class RoutingRequest:
 @dataclass(frozen=True)
 class Decision:
     replica: int
-    reason: str  # affinity | no_match | load_guard | least_loaded | round_robin
-    cached_tokens: int = 0  # prompt tokens expected to be found cached there
+    reason: str  # affinity | no_match | load_guard | least_loaded | round_robin | pull
+    cached_tokens: int = 0  # prompt tokens expected to be found cached there (or pulled)
+    pull: PullChoice | None = None  # blocks to pull from another replica's host tier first
 
 
-REASONS = ("affinity", "no_match", "load_guard", "least_loaded", "round_robin")
+REASONS = ("affinity", "no_match", "load_guard", "least_loaded", "round_robin", "pull")
 
 
 class PlacementPolicy(Protocol):
@@ -103,6 +110,10 @@ class PrefixAffinity:
         # hash -> {replica: expiry}; the queue holds the same entries in expiry order
         self.pending: dict[BlockHash, dict[int, float]] = {}
         self._expiries: deque[tuple[float, BlockHash, int]] = deque()
+        self.rates: TransferRates | None = None  # None: no pulls
+
+    def set_rates(self, rates: TransferRates | None) -> None:
+        self.rates = rates
 
     def choose(self, loads: Sequence[ReplicaLoad], request: RoutingRequest) -> Decision:
         live = candidates(loads)
@@ -126,10 +137,17 @@ class PrefixAffinity:
 
         best = min(live, key=lambda index: (cost(index), loads[index].num_requests, index))
         least = min(live, key=lambda index: (loads[index].num_requests, cost(index), index))
-        if loads[best].num_requests - loads[least].num_requests > self.max_imbalance:
-            decision = Decision(least, "load_guard", cached(least))
-        else:
-            decision = Decision(best, "affinity" if cached(best) else "no_match", cached(best))
+        guarded = loads[best].num_requests - loads[least].num_requests > self.max_imbalance
+        decision = Decision(least, "load_guard", cached(least)) if guarded else Decision(
+            best, "affinity" if cached(best) else "no_match", cached(best))
+        # a pull only to where the request may go: the chosen one's cost, or below it
+        allowed = {index: cost(index) for index in live
+                   if not guarded or index == least}
+        pull = cheapest_pull(self.rates, allowed, stored, matched,
+                             most_cached // request.block_size, request.block_size)
+        if pull is not None and pull.cost < cost(decision.replica):
+            pulled = (pull.first_block + pull.num_blocks) * request.block_size
+            decision = Decision(pull.replica, "pull", min(pulled, most_cached), pull)
         self._add_pending(request.block_hashes, decision.replica, stored[decision.replica])
         return decision
 

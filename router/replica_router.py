@@ -12,7 +12,8 @@ from dataclasses import dataclass, field, replace
 from kvstore.block_hash import BlockHash
 from kvstore.directory import CacheDump, EventBatch, KVDirectory
 from router.admission import AdmissionLimits, Refusal, admissible
-from router.placement import Decision, ReplicaLoad, RoutingRequest, make_policy
+from router.kv_pricing import TransferRates
+from router.placement import Decision, PrefixAffinity, ReplicaLoad, RoutingRequest, make_policy
 
 
 @dataclass
@@ -79,6 +80,12 @@ class ReplicaRouter:
     @property
     def num_replicas(self) -> int:
         return len(self.alive)
+
+    def set_rates(self, rates: TransferRates | None) -> None:
+        """The rates measured at start-up, which price pulls between replicas' host tiers
+        (prefix-affinity routing only; None: no pulls)."""
+        if isinstance(self.policy, PrefixAffinity):
+            self.policy.set_rates(rates)
 
     def loads(self) -> list[ReplicaLoad]:
         return [ReplicaLoad(*load) for load in zip(

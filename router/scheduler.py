@@ -6,13 +6,13 @@ so a long prompt is prefilled in chunks mixed with the decodes of other sequence
 pool is short, the newest running sequence is preempted by recompute: its blocks are freed and
 it waits at the head of the queue to be prefilled again (its generated tokens kept). With a
 host tier, its blocks are also in host memory (written through as they filled, the few missing
-copied at preemption), so it resumes by loading them rather than recomputing: swap preemption.
+copied at preemption), so it resumes by loading them rather than recomputing: swap preemption,
+when the measured copy is cheaper than the recompute (kv_pricing.py); else the missing blocks
+are not copied, and a load is started only where it is cheaper than recomputing, too.
 
 A waiting sequence whose prefix goes on past the device's prefix cache into the host tier or
-disk first loads those blocks: it leaves the queue while they are copied into device blocks
-(``loading``), the others run, and it comes back to the head of the queue when the workers
-report them landed; they are then ordinary prefix hits. Blocks that failed to load are
-recomputed.
+disk first loads those blocks while the others run (tier_loads.py); they are then ordinary
+prefix hits.
 
 When every running sequence is decoding and nobody waits, one call to the workers may run
 several decode steps back to back (``decode_steps``): the device feeds each step the tokens of
@@ -32,16 +32,17 @@ lies in the sequence's own slot and is written again when that position is compu
 
 import time
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
-from kvstore.block_pool import KVBlock
 from kvstore.kv_cache_manager import KVCacheManager
-from kvstore.tiers import LoadResult, OffloadHits
+from kvstore.tiers import LoadResult
 from kvstore.transfers import TransferReport
+from router.kv_pricing import TransferRates, swap_pays
 from router.prefill_delay import PrefillDelay
 from router.sequence import FinishReason, Sequence, SequenceStatus
+from router.tier_loads import TierLoads
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,7 @@ class SchedulerConfig:
     # False: a prompt is prefilled in one step or waits (its uncached tokens fit the budget)
     enable_chunked_prefill: bool = True
     scheduler_delay_factor: float = 0.0  # router/prefill_delay.py
+    kv_load_timeout_s: float = 30.0  # a load from the host tier or disk not back by then: recompute
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:
@@ -64,6 +66,8 @@ class SchedulerConfig:
             raise ValueError("max_num_seqs must be at least 1")
         if self.decode_steps < 1:
             raise ValueError("decode_steps must be at least 1")
+        if self.kv_load_timeout_s <= 0:
+            raise ValueError("kv_load_timeout_s must be > 0")
 
 
 @dataclass
@@ -91,19 +95,24 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager,
+                 rates: TransferRates | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        """``rates``: measured at start-up, they price swaps and loads against recomputes
+        (None: always swap and load)."""
         self.config = config
         self.kv = kv
+        self.rates = rates
+        self.clock = clock
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self._known_to_workers: set[str] = set()
         self._released: list[str] = []
         self.prefill_delay = PrefillDelay(config.scheduler_delay_factor)
-        self.loading: dict[str, Sequence] = {}  # waiting for blocks from the host tier or disk
-        # tokens a sequence's load brought from the host tier and disk, counted as prefix hits
-        # of those tiers when it is admitted
-        self._loaded_tokens: dict[str, tuple[int, int]] = {}
+        # waiting for blocks from the host tier or disk
+        self.loads = TierLoads(kv, rates, clock, config.kv_load_timeout_s)
+        self.loading = self.loads.loading  # by request id
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -112,6 +121,8 @@ class Scheduler:
         return bool(self.waiting or self.running or self.loading)
 
     def schedule(self) -> SchedulerOutput:
+        if self.loading:
+            self.waiting.extendleft(reversed(self.loads.expired()))
         output = SchedulerOutput()
         output.num_steps, output.lookahead = self._num_decode_steps()
         budget = self._schedule_running(output, self.config.max_num_batched_tokens)
@@ -226,9 +237,9 @@ class Scheduler:
             if self._waits_for_prefix(seq, len(hits), in_flight):
                 index += 1
                 continue
-            below = self.kv.find_offloaded(seq.request_id, seq.token_ids, len(hits))
+            below = self.loads.find(seq, len(hits))
             if below is not None:
-                loads = self._start_load(seq, hits, num_cached, below)
+                loads = self.loads.start(seq, hits, num_cached, below)
                 if loads is None:
                     break  # no room for its blocks: memory is short
                 if loads:
@@ -247,7 +258,7 @@ class Scheduler:
             )
             if blocks is None:
                 break
-            host, disk = self._loaded_tokens.pop(seq.request_id, (0, 0))
+            host, disk = self.loads.loaded_tokens.pop(seq.request_id, (0, 0))
             host = min(host, num_cached)  # what a load brought and is still cached
             self.kv.stats.record(seq.num_tokens, num_cached, host, min(disk, num_cached - host))
             del self.waiting[index]
@@ -258,38 +269,12 @@ class Scheduler:
             if in_flight is not None:
                 in_flight.update(self.kv.uncached_hashes(seq.request_id))
 
-    def _start_load(self, seq: Sequence, hits: list[KVBlock], num_cached: int,
-                    below: OffloadHits) -> int | None:
-        """Device blocks for the prefix found below the pool, and their load; how many blocks
-        it loads (0: none after all, its blocks are freed again), None when they do not fit."""
-        num_tokens = below.num_blocks * self.kv.block_size
-        if self.kv.allocate_slots(seq.request_id, num_cached, num_tokens, hits) is None:
-            return None
-        count = self.kv.start_load(seq.request_id, seq.token_ids, below)
-        if count:
-            self.loading[seq.request_id] = seq
-        else:
-            self.kv.free(seq.request_id)
-        return count
-
     def apply_transfers(self, report: TransferReport) -> dict[str, LoadResult]:
-        """The workers' report of KV copies: each sequence whose load landed has its blocks
-        cached (those that arrived intact), frees them, and goes back to the head of the queue,
-        where it finds them as prefix hits. Returns the finished loads' results."""
-        results = self.kv.apply_transfers(report)
-        for request_id, num_loaded in report.loaded.items():
-            seq = self.loading.pop(request_id, None)
-            if seq is None:
-                continue  # aborted while it loaded
-            self.kv.finish_load(request_id, seq.token_ids, num_loaded)
-            self.kv.free(request_id)
-            result = results.get(request_id)
-            if result is not None:  # a sequence may load twice (the first load was cut short)
-                size = self.kv.block_size
-                host, disk = self._loaded_tokens.get(request_id, (0, 0))
-                self._loaded_tokens[request_id] = (host + result.num_host_blocks * size,
-                                                   disk + result.num_disk_blocks * size)
-            self.waiting.appendleft(seq)
+        """The workers' report of KV copies: each sequence whose load landed goes back to the
+        head of the queue, where it finds its blocks as prefix hits (tier_loads.py). Returns
+        the finished loads' results."""
+        results, back = self.loads.landed(report)
+        self.waiting.extendleft(reversed(back))
         return results
 
     def _admit(self, seq: Sequence, num_cached: int) -> None:
@@ -398,10 +383,9 @@ class Scheduler:
         return seq
 
     def _remove(self, request_id: str) -> Sequence | None:
-        seq = self.loading.pop(request_id, None)
+        seq = self.loads.forget(request_id)
         if seq is not None:
             return seq
-        self._loaded_tokens.pop(request_id, None)
         for queue in (self.running, self.waiting):
             for seq in queue:
                 if seq.request_id == request_id:
@@ -411,7 +395,10 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         seq.spec_token_ids = []
-        self.kv.swap_out(seq.request_id)
+        num_blocks = self.kv.num_cached_blocks(seq.request_id)
+        if swap_pays(self.rates, self.kv.num_missing_from_host(seq.request_id), num_blocks,
+                     num_blocks * self.kv.block_size):
+            self.kv.swap_out(seq.request_id)
         self.kv.free(seq.request_id)
         self._forget(seq.request_id)
         seq.status = SequenceStatus.WAITING
@@ -421,6 +408,7 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def _release(self, seq: Sequence) -> None:
+        self.loads.recomputes.discard(seq.request_id)
         if seq in self.running:
             self.running.remove(seq)
         self.kv.free(seq.request_id)

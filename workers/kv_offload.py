@@ -15,7 +15,9 @@ copy's event (the GPU waits, not the host), and only when a copy is still in fli
 - a block this step reads or writes that a load is still filling (on another shard of the
   same step the load may lag behind the driver's, which reported it done).
 
-The host itself waits for a copy only to read or write a slot by CPU (a file to or from it).
+The host itself waits for a copy only to read or write a slot by CPU (a file to or from it,
+or another replica's blocks: ``export`` and ``stage_import`` run on the actor's own thread beside
+the steps, and touch only pinned slots and the staging dict).
 On the CPU the same code runs with plain tensors: every copy is done when it returns, and
 nothing is ever in flight.
 """
@@ -24,15 +26,16 @@ import contextlib
 import hashlib
 import json
 import logging
+import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from kvstore.block_file import block_file_name, read_block_file, write_block_file
-from kvstore.transfers import BlockLoad, KVTransfers, TransferReport
+from kvstore.transfers import BlockLoad, HostImport, KVTransfers, TransferReport
 from workers.kv_cache import KVCaches
 from workers.layers.parallel import TensorParallelGroup
 
@@ -86,6 +89,9 @@ class OffloadInfo:
     num_slots: int
     block_bytes: int  # one slot, this shard's share of a block
     layout_tag: str  # the disk tier's subdirectory: blocks of this layout only
+    # measured at start-up: what pricing copies against recomputes needs (router/kv_pricing.py)
+    copy_bytes_per_s: float = 0.0  # device -> host, one staging batch
+    prefill_tokens_per_s: float = 0.0
 
 
 @dataclass
@@ -93,6 +99,8 @@ class _Batch:
     """Copies queued on the offload stream up to ``event``."""
 
     event: torch.cuda.Event
+    start: "torch.cuda.Event | None" = None  # when the stream began these copies (timing)
+    num_bytes: int = 0
     loads_into: set[int] = field(default_factory=set)  # device blocks being written
     stores_from: set[int] = field(default_factory=set)  # device blocks being read
     slots: set[int] = field(default_factory=set)  # host slots read or written
@@ -130,10 +138,31 @@ class KVOffloader:
         self.pending_loads: list[_PendingLoad] = []
         self._report = TransferReport()
         self._step_start: torch.cuda.Event | None = None
+        self.staged: dict[str, torch.Tensor] = {}  # import id -> (blocks, block_bytes) bytes
+        self._copy_start: torch.cuda.Event | None = None  # the batch being queued (_timed)
+        self._copy_bytes = 0
 
     @property
     def info(self) -> OffloadInfo:
         return OffloadInfo(self.num_slots, self.layout.block_bytes, self.layout.tag)
+
+    def measure_copy_bandwidth(self, repeats: int = 3) -> float:
+        """Device -> host bytes a second over one staging batch into pinned slots (the
+        write-through's path), the best of ``repeats``; at start-up, before any block is
+        offloaded."""
+        count = min(STAGE_BLOCKS, self.num_slots)
+        best = float("inf")
+        for _ in range(repeats):
+            self._synchronize()
+            started = time.perf_counter()
+            self.host[:count].copy_(self.stage[:count], non_blocking=True)
+            self._synchronize()
+            best = min(best, time.perf_counter() - started)
+        return count * self.layout.block_bytes / max(best, 1e-9)
+
+    def _synchronize(self) -> None:
+        if self.on_gpu:
+            torch.cuda.synchronize(self.device)
 
     # -- a step ---------------------------------------------------------------------------
 
@@ -148,9 +177,11 @@ class KVOffloader:
         if transfers is not None:
             self._write_files(transfers)
             self._store(transfers.stores_first)
+            for host_import in transfers.imports:
+                self._import(host_import)
             failed_slots = self._read_files(transfers)
-            for load in transfers.loads:
-                self._load(load, failed_slots)
+            if transfers.loads:
+                self._load_all(transfers.loads, failed_slots)
         if self.batches:
             self._wait_for(touched, written)
 
@@ -184,7 +215,7 @@ class KVOffloader:
             chunk = pairs[start:start + STAGE_BLOCKS]
             blocks, slots = [b for b, _ in chunk], [s for _, s in chunk]
             n = len(chunk)
-            with self._on_copy_stream():
+            with self._on_copy_stream(), self._timed(n):
                 block_index = self._to_device(blocks)
                 torch.cat([t.index_select(0, block_index).view(n, -1).view(torch.uint8)
                            for t in self.tensors], dim=1, out=self.stage[:n])
@@ -193,7 +224,26 @@ class KVOffloader:
                                                        non_blocking=True)
                 self._record(stores_from=set(blocks), slots=set(slots))
 
-    def _load(self, load: BlockLoad, failed_slots: set[int]) -> None:
+    def _load_all(self, loads: list[BlockLoad], failed_slots: set[int]) -> None:
+        """Every load; one whose copies raised on any shard is reported with no block
+        intact (the engine recomputes its tokens), the others as they land."""
+        started: list[_PendingLoad] = []
+        failed: list[bool] = []
+        for load in loads:
+            try:
+                started.append(self._load(load, failed_slots))
+                failed.append(False)
+            except RuntimeError as error:
+                log.warning("loading %d KV blocks for %s failed (%s): its tokens are "
+                            "recomputed", len(load.block_ids), load.request_id, error)
+                started.append(_PendingLoad(load.request_id, 0, None))
+                failed.append(True)
+        agreed = self.tp.any_true_each(failed, self.device)  # every shard, or none, loads
+        for pending, bad in zip(started, agreed, strict=True):
+            self.pending_loads.append(_PendingLoad(pending.request_id, 0, None) if bad
+                                      else pending)
+
+    def _load(self, load: BlockLoad, failed_slots: set[int]) -> _PendingLoad:
         """Host slots to device blocks, up to the first slot whose file was refused: one copy
         per run of consecutive slots into the staging buffer, one scatter per cache tensor."""
         num_ok = next((i for i, slot in enumerate(load.host_slots) if slot in failed_slots),
@@ -204,7 +254,7 @@ class KVOffloader:
             chunk = pairs[start:start + STAGE_BLOCKS]
             slots, blocks = [s for s, _ in chunk], [b for _, b in chunk]
             n = len(chunk)
-            with self._on_copy_stream():
+            with self._on_copy_stream(), self._timed(n):
                 for slot, row, count in _runs(slots):
                     self.stage[row:row + count].copy_(self.host[slot:slot + count],
                                                       non_blocking=True)
@@ -212,7 +262,7 @@ class KVOffloader:
                 for view, tensor in zip(self.stage_views, self.tensors, strict=True):
                     tensor.index_copy_(0, block_index, view[:n])
                 event = self._record(loads_into=set(blocks), slots=set(slots))
-        self.pending_loads.append(_PendingLoad(load.request_id, num_ok, event))
+        return _PendingLoad(load.request_id, num_ok, event)
 
     def _on_copy_stream(self) -> contextlib.AbstractContextManager[object]:
         """The copy stream, behind what the compute stream queued before this step (on the
@@ -235,7 +285,8 @@ class KVOffloader:
         """Marks the copies queued so far (on a GPU; None on the CPU, where they are done)."""
         if self.stream is None:
             return None
-        batch = _Batch(torch.cuda.Event(), loads_into or set(), stores_from or set(),
+        batch = _Batch(torch.cuda.Event(enable_timing=True), self._copy_start,
+                       self._copy_bytes, loads_into or set(), stores_from or set(),
                        slots or set())
         batch.event.record(self.stream)
         self.batches.append(batch)
@@ -243,7 +294,29 @@ class KVOffloader:
 
     def _retire(self) -> None:
         while self.batches and self.batches[0].event.query():
-            self.batches.popleft()
+            self._count_copy(self.batches.popleft())
+
+    def _count_copy(self, batch: _Batch) -> None:
+        """A finished batch's bytes and time on the copy stream (its copies alone: the start
+        event fires once the stream gets to them), for the measured transfer rate."""
+        if batch.start is not None:
+            self._report.copied_bytes += batch.num_bytes
+            self._report.copy_seconds += batch.start.elapsed_time(batch.event) / 1e3
+
+    @contextlib.contextmanager
+    def _timed(self, num_blocks: int) -> "Iterator[None]":
+        """Around one batch of device <-> host copies: their bytes and time (the CPU's are
+        done on return; a GPU's are timed by events on the copy stream, see ``_count_copy``)."""
+        self._copy_bytes = num_blocks * self.layout.block_bytes
+        if self.stream is not None:
+            self._copy_start = torch.cuda.Event(enable_timing=True)
+            self._copy_start.record(self.stream)
+            yield
+            return
+        started = time.perf_counter()
+        yield
+        self._report.copied_bytes += self._copy_bytes
+        self._report.copy_seconds += time.perf_counter() - started
 
     def _wait_for(self, touched: Iterable[int], written: Iterable[int]) -> None:
         """The compute stream waits for the last in-flight copy it must not overtake (one
@@ -260,6 +333,34 @@ class KVOffloader:
             if slot in batch.slots:
                 batch.event.synchronize()
                 return
+
+    # -- host <-> another replica ------------------------------------------------------------
+
+    def export(self, slots: list[int]) -> torch.Tensor:
+        """A copy of the (pinned) slots, one row each, for another replica. Called beside the
+        steps: it waits for every copy queued on the offload stream (a write-through into one
+        of them may be in flight), not for the steps."""
+        if self.stream is not None:
+            self.stream.synchronize()
+        return self.host[torch.tensor(slots, dtype=torch.int64)] if slots else \
+            self.host[:0].clone()
+
+    def stage_import(self, import_id: str, rows: torch.Tensor) -> None:
+        """Another replica's exported blocks, kept until a step's ``HostImport`` writes them."""
+        if rows.dtype != torch.uint8 or rows.dim() != 2 or (
+                rows.shape[1] != self.layout.block_bytes):
+            raise ValueError(f"staged KV blocks must be uint8 rows of {self.layout.block_bytes} "
+                             f"bytes, got {rows.dtype} {tuple(rows.shape)}")
+        self.staged[import_id] = rows
+
+    def _import(self, host_import: HostImport) -> None:
+        rows = self.staged.pop(host_import.import_id, None)
+        if rows is None:  # staging failed on this shard: the engine planned no rows then
+            assert not host_import.rows, f"import {host_import.import_id} was never staged"
+            return
+        for row, slot in zip(host_import.rows, host_import.slots, strict=True):
+            self._host_ready(slot)
+            self.host[slot].copy_(rows[row])
 
     # -- host <-> disk ----------------------------------------------------------------------
 

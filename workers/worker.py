@@ -4,7 +4,8 @@ The same class runs in the engine's process (one device) and inside a Ray actor 
 (tensor parallel); only the ``TensorParallelGroup`` it is given differs.
 """
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -201,7 +202,42 @@ class Worker:
         # a worker's start-up ends here: in a process of its own (a Ray actor) nothing else
         # freezes its model and graphs (workers/gc_freeze.py)
         freeze_start_up_objects()
-        return None if self.offloader is None else self.offloader.info
+        if self.offloader is None:
+            return None
+        return replace(self.offloader.info,
+                       copy_bytes_per_s=self.offloader.measure_copy_bandwidth(),
+                       prefill_tokens_per_s=self._measure_prefill_rate(num_blocks))
+
+    def _measure_prefill_rate(self, num_blocks: int) -> float:
+        """Prompt tokens a second of one probe prefill (the second of two: the first warms
+        up), at start-up, into blocks no request holds yet; every rank runs it."""
+        block_size = self.config.block_size
+        limit = 2048 if self.device.type == "cuda" else 256
+        num_tokens = max(1, min(self.config.max_num_batched_tokens, limit,
+                                num_blocks * block_size))
+        blocks = list(range(-(-num_tokens // block_size)))
+        seconds = float("inf")
+        for _ in range(2):
+            probe = NewRequest("probe", [0] * num_tokens, num_tokens, blocks,
+                               SamplingSpec(temperature=0.0))
+            started = time.perf_counter()
+            self.execute(StepInput([probe], [ScheduledRequest("probe", 0, num_tokens)], []))
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            seconds = time.perf_counter() - started
+            self.states.clear()
+        return num_tokens / max(seconds, 1e-9)
+
+    def export_host_slots(self, slots: list[int]) -> torch.Tensor:
+        """This shard's bytes of the host-tier slots, for another replica (kv_offload.py)."""
+        if self.offloader is None:
+            raise ValueError("this worker has no host KV buffer to export from")
+        return self.offloader.export(slots)
+
+    def stage_host_import(self, import_id: str, rows: torch.Tensor) -> None:
+        if self.offloader is None:
+            raise ValueError("this worker has no host KV buffer to import into")
+        self.offloader.stage_import(import_id, rows)
 
     def _allocate_kv_cache(self, num_blocks: int) -> None:
         self.graphs = None  # graphs hold the old cache's addresses

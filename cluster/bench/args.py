@@ -171,9 +171,18 @@ def add_bench_parsers(subparsers: argparse._SubParsersAction) -> None:
     prefix.add_argument("--interleaved", action="store_true",
                         help="the groups' requests in a shuffled (seeded) order, not one group "
                         "after another")
+    prefix.add_argument("--pass-major", action="store_true",
+                        help="every group's first request, then every group's second, ...: "
+                        "a prefix comes back after all the others (W4-large)")
     prefix.add_argument("--num-kv-blocks", type=int,
                         help="KV blocks of each replica (default: as many as memory allows); "
                         "fewer than all prefixes need makes the cache's capacity count")
+    prefix.add_argument("--host-kv-cache-gb", type=float, default=0.0,
+                        help="> 0: compare KV tiers instead of cache on / off: recompute (the "
+                        "device cache alone), this host tier, and with --disk-kv-cache-dir a "
+                        "quarter of it over that disk tier (cluster/bench/prefix_tiers.py)")
+    prefix.add_argument("--disk-kv-cache-dir", help="the disk tier's directory (host + disk run)")
+    prefix.add_argument("--disk-kv-cache-gb", type=float, default=10.0)
     prefix.set_defaults(handler=run_prefix)
 
     add_serve_bench_parser(workloads)  # W3: cluster/bench/serve_bench.py (serving owns it)

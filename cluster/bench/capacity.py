@@ -66,6 +66,8 @@ def run_capacity(args: argparse.Namespace) -> int:
         run.pop("token_ids")
         sizing[name]["throughput"] = run
         release(llm)
+        print(f"  {name}: {run['output_tokens_per_s']:.0f} output tok/s at {concurrency}, "
+              f"{run['num_preemptions']} preemptions", flush=True)
     table = capacity_table(args, sizing, concurrency)
     record = setup.record | {"workload": "capacity", "concurrency": concurrency,
                              "blocks_per_sequence": per_sequence, "results": sizing}

@@ -21,6 +21,7 @@ from cluster.bench.engine_runs import (
 )
 from cluster.bench.prefix_replicas import engine_config as replica_config
 from cluster.bench.prefix_replicas import prefix_replicas
+from cluster.bench.prefix_tiers import prefix_tiers
 from cluster.bench.report import machine_facts, markdown_table, publish, write_json
 from cluster.bench.shapes import build_random_model
 from cluster.bench.triton_compiles import CompileLog
@@ -248,10 +249,15 @@ def prefix(args: argparse.Namespace) -> int:
     requests = make_requests(*shape, args.output_len, setup.vocab_size, args.seed)
     if args.interleaved:  # as users of many groups arrive: mixed (the prefixes are the same)
         random.Random(args.seed).shuffle(requests)
+    if args.pass_major:  # request i of every group, then i + 1: group-major order turned
+        requests = [requests[g * args.group_size + i] for i in range(args.group_size)
+                    for g in range(args.num_groups)]
     warmup = prefix_requests(1, 2, args.prefix_len, args.question_len, 4, setup.vocab_size,
                              args.seed + 1)
     if args.replicas > 1:
         return prefix_on_replicas(args, setup, requests, warmup)
+    if args.host_kv_cache_gb > 0:
+        return prefix_tiers(args, setup, requests, warmup)
     results = {}
     for cache in (True, False):
         llm = setup.engine(enable_prefix_caching=cache, num_kv_blocks=args.num_kv_blocks)

@@ -14,18 +14,15 @@ server (tandem, vLLM, SGLang). The flags and the result keys are vLLM's `vllm be
 
 import argparse
 import asyncio
+import random
 import time
 from pathlib import Path
 
 from cluster import environment
-from cluster.bench.serve_load import (
-    SAFE_VOCAB,
-    Load,
-    http_sender,
-    in_process_sender,
-    run_loads,
-)
+from cluster.bench.http_clients import ClientError, HttpClients, httpx_module
+from cluster.bench.serve_load import SAFE_VOCAB, Load, in_process_sender, run_loads
 from cluster.bench.vllm_results import result_file_name
+from cluster.cli.serve_ports import ServePorts, serve_ports
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 DEFAULT_CONCURRENCIES = "1,8,32,128"
@@ -73,6 +70,9 @@ def add_load_arguments(parser: argparse.ArgumentParser) -> None:
                         help="comma-separated Poisson arrival rates in requests/s, 'inf' for "
                         "all at once; with --max-concurrency each rate is capped at each "
                         "concurrency (vLLM's meaning)")
+    parser.add_argument("--poisson-rate", default="", metavar="R,..",
+                        help="comma-separated Poisson arrival rates run uncapped after the "
+                        "other loads, in the same run (tandem's own flag)")
     parser.add_argument("--seed", type=int, default=0, help="of the prompts and the arrivals")
 
 
@@ -84,6 +84,10 @@ def add_target_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--served-model-name", help="with --base-url: the model name sent "
                         "(default: --model, else the first id of GET /v1/models)")
     parser.add_argument("--api-key", help="with --base-url: sent as 'Authorization: Bearer'")
+    parser.add_argument("--client-processes", type=int, default=0, metavar="N",
+                        help="HTTP client processes sharing each load (default: one per "
+                        "ingress port; 1 with --base-url): one process reading ~10k chunks/s "
+                        "is itself the bottleneck")
     model = parser.add_mutually_exclusive_group()
     model.add_argument("--model", help=f"catalog name or HF folder (default: {DEFAULT_MODEL}); "
                        "with --base-url: the model name sent")
@@ -119,14 +123,17 @@ def add_local_arguments(group: argparse._ArgumentGroup) -> None:
 
 def parse_loads(args: argparse.Namespace) -> list[Load]:
     """Either flag alone: one load a value. Both: every rate capped at every concurrency, as
-    vLLM reads the pair. Neither: the default concurrencies."""
+    vLLM reads the pair. Neither: the default concurrencies. Then --poisson-rate's loads."""
     rates = [float(r) for r in args.request_rate.split(",") if r.strip()]
-    given = DEFAULT_CONCURRENCIES if args.concurrency is None and not rates else args.concurrency
+    poisson = [Load(rate=float(r)) for r in args.poisson_rate.split(",") if r.strip()]
+    given = (DEFAULT_CONCURRENCIES if args.concurrency is None and not rates and not poisson
+             else args.concurrency)
     caps = [int(c) for c in (given or "").split(",") if c.strip()]
     if rates and caps:
         loads = [Load(concurrency=c, rate=r) for r in rates for c in caps]
     else:
         loads = [Load(concurrency=c) for c in caps] + [Load(rate=r) for r in rates]
+    loads += poisson
     if not loads or not all(load.valid for load in loads):
         raise ValueError("give at least one --max-concurrency >= 1 or --request-rate > 0")
     return loads
@@ -140,37 +147,24 @@ def serve_bench(args: argparse.Namespace) -> int:
         pyplot()  # a missing matplotlib fails now, not after the run
     if args.base_url:
         return asyncio.run(_bench_base_url(args, loads))
-    # as `tandem serve` runs it (the Ray instance below starts with this environment)
-    environment.set_serve_throughput_optimized(None)
-    return asyncio.run(_serve_bench(args, loads))
+    config = local_config(args)
+    # as `tandem serve` runs it, set before the Ray instance below starts (its processes
+    # inherit the environment): direct ingress on ports chosen here, measured there
+    throughput = environment.set_serve_throughput_optimized(None) == "1"
+    ports = free_serve_ports(config.num_ingress_replicas, throughput)
+    if throughput:
+        environment.set_serve_ports(ports.http[0], config.num_ingress_replicas)
+    return asyncio.run(_serve_bench(args, loads, config, ports))
 
 
-def _httpx():  # type: ignore[no-untyped-def]
-    try:  # the openai client of this venv brings httpx2; elsewhere plain httpx is there
-        import httpx2 as httpx
-    except ImportError:
-        import httpx
-    return httpx
-
-
-async def _serve_bench(args: argparse.Namespace, loads: list[Load]) -> int:
-    import socket
-
-    import ray
-    from ray import serve
-
-    from cluster.bench.report import machine_facts, publish
-    from cluster.ray.tandem_cluster import TandemCluster
-    from cluster.serve.app import server_app
+def local_config(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     from cluster.serve.config import load_config
-    from workers.loader import load_config as load_hf_config
 
-    httpx = _httpx()
     args.model = args.model or DEFAULT_MODEL
     if args.shape:
         from cluster.bench.shapes import build_random_model
         args.model = str(build_random_model(args.shape, environment.cache_dir() / "bench-models"))
-    config = load_config({
+    return load_config({
         "model": args.model, "dtype": args.dtype, "device": args.device,
         "tensor_parallel_size": args.tp, "num_replicas": args.replicas,
         "ingress_replicas": args.ingress_replicas,
@@ -178,6 +172,34 @@ async def _serve_bench(args: argparse.Namespace, loads: list[Load]) -> int:
         "max_model_len": args.input_len + args.output_len + 16, "api_key": None,
         "decode_lookahead": args.decode_lookahead,
     })
+
+
+def free_serve_ports(num_ingress: int, throughput: bool, tries: int = 50) -> ServePorts:
+    """`tandem serve`'s ports (cluster/cli/serve_ports.py) from a first port whose whole
+    range is free now, below Ray's and Serve's own ranges."""
+    from cluster.cli.serve import check_ports_free
+
+    rng = random.Random()
+    for _ in range(tries):
+        ports = serve_ports(rng.randrange(20000, 29000), num_ingress, throughput)
+        try:
+            check_ports_free("127.0.0.1", ports)
+        except ValueError:
+            continue
+        return ports
+    raise RuntimeError(f"found no {len(ports.all)} free ports in 20000-29000")
+
+
+async def _serve_bench(args: argparse.Namespace, loads: list[Load], config,  # type: ignore[no-untyped-def]
+                       ports: ServePorts) -> int:
+    import ray
+    from ray import serve
+
+    from cluster.bench.report import machine_facts, publish
+    from cluster.ray.tandem_cluster import TandemCluster
+    from cluster.serve.app import server_app
+    from workers.loader import load_config as load_hf_config
+
     ray.init(include_dashboard=False, ignore_reinit_error=True)
     print("in-process: TandemCluster.generate, no HTTP")
     cluster = await asyncio.to_thread(TandemCluster, config.engine_config(), config.num_replicas)
@@ -185,18 +207,20 @@ async def _serve_bench(args: argparse.Namespace, loads: list[Load]) -> int:
     in_process = await run_loads(in_process_sender(cluster), args, loads, vocab)
     await asyncio.to_thread(cluster.shutdown)
 
-    print("http: Ray Serve, OpenAI /v1/completions, streaming")
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    urls = [f"http://127.0.0.1:{port}" for port in ports.http]
+    processes = args.client_processes or len(urls)
+    print(f"http: Ray Serve, OpenAI /v1/completions, streaming, from {processes} client "
+          f"process(es) to port(s) {', '.join(str(p) for p in ports.http)}")
+    serve.start(http_options={"host": "127.0.0.1", "port": ports.proxy})
     await asyncio.to_thread(serve.run, server_app(config), name="bench", route_prefix="/")
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=None,
-                                 limits=limits) as client:
-        http = await run_loads(http_sender(client, config.model_name), args, loads, vocab)
+    clients = await asyncio.to_thread(HttpClients, urls, config.model_name, processes)
+    try:
+        http = await run_loads(None, args, loads, vocab, runner=clients.run)
+    finally:
+        clients.close()
     record = {"workload": "serve", "config": vars(args) | {"handler": None},
               "environment": machine_facts(_device(config.engine_config().resolved_device)),
+              "http_ports": list(ports.http), "client_processes": processes,
               "in_process": in_process, "http": http}
     paths = {"in-process": in_process, "http": http}
     published = publish(record, table(loads, paths),
@@ -213,19 +237,23 @@ async def _serve_bench(args: argparse.Namespace, loads: list[Load]) -> int:
 async def _bench_base_url(args: argparse.Namespace, loads: list[Load]) -> int:
     from cluster.bench.report import publish
 
-    httpx = _httpx()
+    httpx = httpx_module()
     base_url = api_root(args.base_url)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    # no read timeout (a long generation is no fault), but a host that never answers is one
-    async with httpx.AsyncClient(base_url=base_url, headers=headers, limits=limits,
-                                 timeout=httpx.Timeout(None, connect=10.0)) as client:
-        try:
+    processes = args.client_processes or 1
+    try:
+        async with httpx.AsyncClient(base_url=base_url, headers=headers,
+                                     timeout=httpx.Timeout(None, connect=10.0)) as client:
             model = args.served_model_name or args.model or await first_model_id(client)
-            print(f"http: {base_url}/v1/completions, model {model}, streaming")
-            http = await run_loads(http_sender(client, model), args, loads, SAFE_VOCAB)
-        except httpx.HTTPError as error:
-            raise ValueError(f"--base-url {base_url}: {one_line(error)}") from None
+        print(f"http: {base_url}/v1/completions, model {model}, streaming, from {processes} "
+              "client process(es)")
+        clients = await asyncio.to_thread(HttpClients, [base_url], model, processes, headers)
+        try:
+            http = await run_loads(None, args, loads, SAFE_VOCAB, runner=clients.run)
+        finally:
+            clients.close()
+    except (httpx.HTTPError, ClientError) as error:
+        raise ValueError(f"--base-url {base_url}: {one_line(error)}") from None
     record = base_url_record(args, base_url, model, http)
     published = publish(record, table(loads, {"http": http}),
                         result_path(args, "openai", model, http))

@@ -42,6 +42,9 @@ class Timing:
 
 
 Send = Callable[[list[int], int], Awaitable[Timing]]
+# (prompts, output_len, load, seed) -> every request's timing and the load's seconds: run_load
+# over one Send, or several client processes (http_clients.py)
+Runner = Callable[[list[list[int]], int, "Load", int], Awaitable[tuple[list[Timing], float]]]
 
 
 @dataclass(frozen=True)
@@ -172,18 +175,44 @@ def read_event(item: bytes, now: float, timing: Timing) -> None:
         timing.output_tokens = chunk["usage"]["completion_tokens"]
 
 
-async def run_loads(send: Send, args: argparse.Namespace, loads: list[Load],
-                    vocab: int) -> dict[str, dict]:
+def num_prompts(load: Load, asked: int) -> int:
+    """--num-prompts, else 8 x the concurrency, or 8 s of arrivals at an uncapped finite rate,
+    and at least 32."""
+    if asked:
+        return asked
+    if load.concurrency is None and load.paced:
+        return max(round(8 * load.rate), 32)  # type: ignore[operator]
+    return max(8 * (load.concurrency or 8), 32)
+
+
+async def run_loads(send: Send | None, args: argparse.Namespace, loads: list[Load],
+                    vocab: int, runner: Runner | None = None) -> dict[str, dict]:
+    """Each load warmed up, then measured; ``runner`` (if given) runs them instead of one
+    ``send`` in this process. Beside each load's figures, the cores each process used."""
+    from cluster.bench.process_cpu import CpuMeter
+
+    if runner is None:
+        assert send is not None
+
+        async def runner(prompts: list[list[int]], output_len: int, load: Load,
+                         seed: int) -> tuple[list[Timing], float]:
+            return await run_load(send, prompts, output_len, load, seed)
+
     results = {}
     for index, load in enumerate(loads):
         # a short run of the same load first: the batch shapes it reaches (prefill chunks mixed
         # with decodes, graph buckets) meet their Triton compiles and cuBLAS setup there, not
         # in the measured run — which would otherwise penalize whichever path runs first
         warm = make_prompts(load.concurrency or 8, args.input_len, vocab, seed=-1 - index)
-        await run_load(send, warm, min(16, args.output_len), load, args.seed)
-        count = args.num_requests or max(8 * (load.concurrency or 8), 32)
+        await runner(warm, min(16, args.output_len), load, args.seed)
+        count = num_prompts(load, args.num_requests)
         prompts = make_prompts(count, args.input_len, vocab, seed=args.seed + index)
-        timings, seconds = await run_load(send, prompts, args.output_len, load, args.seed)
-        results[load.name] = summarize(timings, seconds, [len(p) for p in prompts], load)
-        print(f"  {load.name}: {results[load.name]['output_tokens_per_s']:.1f} output tok/s")
+        meter = CpuMeter()
+        timings, seconds = await runner(prompts, args.output_len, load, args.seed)
+        result = summarize(timings, seconds, [len(p) for p in prompts], load)
+        cores = meter.shares()
+        results[load.name] = result | {"cpu_cores": cores}
+        busiest = ", ".join(f"{name} {share:.2f}" for name, share in list(cores.items())[:6])
+        print(f"  {load.name}: {result['output_tokens_per_s']:.1f} output tok/s "
+              f"(cores: {busiest})")
     return results

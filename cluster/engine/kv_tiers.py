@@ -13,6 +13,7 @@ from kvstore.block_file import file_bytes
 from kvstore.disk_tier import DiskTier
 from kvstore.host_tier import HostTier
 from kvstore.tiers import TierCounters, TierManager
+from router.kv_pricing import TransferRates
 from workers.kv_offload import OffloadInfo
 
 GIB = 1 << 30
@@ -35,6 +36,15 @@ def make_tiers(config: EngineConfig, info: OffloadInfo | None) -> TierManager | 
             raise ValueError(f"disk_kv_cache_gb holds no KV block: one takes {per_block} bytes")
         disk = DiskTier(Path(config.disk_kv_cache_dir), info.layout_tag, capacity, tp)
     return TierManager(HostTier(info.num_slots), disk, config.block_size)
+
+
+def make_rates(info: OffloadInfo | None, tp_size: int) -> TransferRates | None:
+    """The rates the shards measured at start-up (rank 0's; each shard copies its share of a
+    block at once, so a whole block moves at one shard's rate times their number)."""
+    if info is None or info.copy_bytes_per_s <= 0 or info.prefill_tokens_per_s <= 0:
+        return None
+    return TransferRates(info.prefill_tokens_per_s, info.copy_bytes_per_s * tp_size,
+                         info.block_bytes * tp_size)
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,12 @@ from transformers import PretrainedConfig
 from cluster.engine.config import EngineConfig
 from cluster.engine.executor import Executor, UniExecutor
 from cluster.engine.kv_events import KVEventPublisher
-from cluster.engine.kv_tiers import TierTraffic, host_bytes_per_shard, make_tiers
+from cluster.engine.kv_tiers import (
+    TierTraffic,
+    host_bytes_per_shard,
+    make_rates,
+    make_tiers,
+)
 from cluster.engine.metrics import EngineMetrics, LoadSample, MetricsSnapshot
 from cluster.engine.output_processor import (
     CompletionTracker,
@@ -127,6 +132,9 @@ class LLMEngine:
         # a block's bytes over every shard, for the bytes-moved metrics
         self.offload_block_bytes = offload.block_bytes * config.tensor_parallel_size \
             if offload else 0
+        self.offload_layout = offload.layout_tag if offload else None  # what peers must match
+        # measured at start-up (with a host tier): they price copies against recomputes
+        self.transfer_rates = make_rates(offload, config.tensor_parallel_size)
         self.kv_capacity = num_blocks * config.block_size
         self.model_len = config.max_model_len or hf_config.max_position_embeddings
         # a sequence must fit the cache alone, or preempting everyone else would not save it;
@@ -154,7 +162,7 @@ class LLMEngine:
             decode_lookahead=config.decode_lookahead,
             enable_chunked_prefill=config.enable_chunked_prefill,
             scheduler_delay_factor=config.scheduler_delay_factor,
-        ), kv)
+        ), kv, rates=self.transfer_rates)
         self.step_builder = StepBuilder()
         self.requests: dict[str, RequestTracker] = {}
         self.seq_to_request: dict[str, str] = {}
@@ -266,6 +274,12 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    def has_pending_transfers(self) -> bool:
+        """Copies between tiers wait for a step (write-through of the last step's blocks):
+        an idle replica runs one, so its host tier holds what its device cache does."""
+        tiers = self.scheduler.kv.tiers
+        return tiers is not None and bool(tiers.pending or not tiers.plan.is_empty)
 
     # -- the step ---------------------------------------------------------------------------
 
@@ -417,6 +431,8 @@ class LLMEngine:
             spec_decode_num_draft_tokens=self.metrics.spec_decode_draft_tokens,
             spec_decode_num_accepted_tokens=self.metrics.spec_decode_accepted_tokens,
             host_cache_hits=kv.stats.host_hits, disk_cache_hits=kv.stats.disk_hits,
+            kv_pulled_tokens=kv.tiers.counters.imported * kv.block_size if kv.tiers else 0,
+            kv_exported_tokens=kv.tiers.counters.exported * kv.block_size if kv.tiers else 0,
         )
 
     def metrics_snapshot(self) -> MetricsSnapshot:

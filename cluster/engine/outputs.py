@@ -83,6 +83,8 @@ class EngineStats:
     spec_decode_num_accepted_tokens: int = 0  # of which kept
     host_cache_hits: int = 0  # of the prefix-cache hits, prompt tokens found in the host tier
     disk_cache_hits: int = 0  # and in the disk tier
+    kv_pulled_tokens: int = 0  # pulled from other replicas' host tiers into this one's
+    kv_exported_tokens: int = 0  # read from this one's host tier for other replicas
 
 
 @dataclass

@@ -1,11 +1,19 @@
-"""A replica's shards as Ray actors: one per GPU (or CPU worker), in one placement group."""
+"""A replica's shards as Ray actors: one per GPU (or CPU worker), in one placement group.
+
+Steps go to the shards through a compiled graph. Its loop in each shard waits for the next
+step by polling a shared-memory channel, which holds a core busy while the replica is idle;
+``park`` sends the shards a step that waits on an event instead, and the next step lets them
+go first (one ordinary call a shard, ~1 ms, only after an idle spell).
+"""
+
+import contextlib
 
 import ray
 from ray.dag import InputNode, MultiOutputNode
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from cluster.ray.shard_actor import SHARD_ACTOR_OPTIONS, ShardActor
+from cluster.ray.shard_actor import SHARD_ACTOR_OPTIONS, Park, ShardActor
 from workers.device_stats import DeviceStats
 from workers.kv_offload import OffloadInfo
 from workers.step_input import StepInput, StepOutput
@@ -51,6 +59,7 @@ class RayExecutor:
                                for gpu in ids})
         self._all(lambda actor: actor.init_worker.remote(address, replica_gpus))
         self.step_graph = None  # compiled once the KV cache exists (init_kv_cache)
+        self.parked: list | None = None  # the refs of the Park step the shards are held in
 
     def _all(self, call) -> list:
         try:
@@ -72,9 +81,26 @@ class RayExecutor:
         self.step_graph = graph.experimental_compile()
         return infos[0]
 
+    def park(self) -> None:
+        """Holds every shard in a blocking wait until the next step (the replica is idle)."""
+        if self.parked is not None or self.step_graph is None:
+            return
+        try:
+            self.parked = self.step_graph.execute(Park())
+        except ray.exceptions.RayError as error:
+            raise ShardFailure(f"a shard actor failed: {error}") from error
+
+    def _unpark(self) -> None:
+        refs, self.parked = self.parked, None
+        self._all(lambda actor: actor.unpark.remote())
+        for ref in reversed(refs):  # the Park step's results, read before the next step's
+            ray.get(ref)
+
     def execute(self, step: StepInput) -> StepOutput:
         assert self.step_graph is not None, "init_kv_cache comes before the first step"
         try:
+            if self.parked is not None:
+                self._unpark()
             refs = self.step_graph.execute(step)
             # ranks > 0 first: a dead one answers at once, where rank 0 may wait in a collective
             outputs = [ray.get(ref) for ref in reversed(refs)]
@@ -83,6 +109,19 @@ class RayExecutor:
         output = outputs[-1]
         assert output is not None, "rank 0 returns the sampled tokens"
         return output
+
+    def export_host_slots(self, slots: list[int]) -> list[ray.ObjectRef]:
+        """Each shard's bytes of the slots, rank 0 first, as object refs: the bytes go from
+        the shards into Ray's object store, never through this process."""
+        return [actor.export_host_slots.remote(slots) for actor in self.actors]
+
+    def stage_host_import(self, import_id: str, shard_rows: list) -> list[ray.ObjectRef]:
+        """Rank r's rows (an object ref from another replica's rank r) staged in shard r;
+        refs to await."""
+        if len(shard_rows) != len(self.actors):
+            raise ValueError(f"{len(shard_rows)} shards' blocks for {len(self.actors)} shards")
+        return [actor.stage_host_import.remote(import_id, rows)
+                for actor, rows in zip(self.actors, shard_rows, strict=True)]
 
     def profile(self, fn) -> list[str]:
         """Runs fn with torch.profiler on in every shard; each rank's table, rank 0 first."""
@@ -106,6 +145,10 @@ class RayExecutor:
         return self._all(lambda actor: actor.pid.remote())
 
     def shutdown(self) -> None:
+        if self.parked is not None:  # else teardown waits for loops that wait for us
+            # a dead shard: teardown ends the others' loops
+            with contextlib.suppress(ShardFailure, ray.exceptions.RayError):
+                self._unpark()
         if self.step_graph is not None:
             self.step_graph.teardown(kill_actors=True)
             self.step_graph = None

@@ -8,7 +8,9 @@ this actor's CPU whatever it carries (tools/profile/ray_streams.py), in the proc
 steps the engine: one per request per step added up to a good part of a core.
 
 Adds and aborts are applied between steps, by the loop, so the engine is only ever touched by
-one thread at a time while a step runs in a worker thread. After each step the blocks that
+one thread at a time while a step runs in a worker thread (the event loop that takes requests
+and sends deltas never waits for a step). An engine idle for ``PARK_AFTER_S`` parks its shards
+(ray_executor.py): an idle replica uses no CPU to speak of. After each step the blocks that
 entered or left the prefix cache go to the router as one numbered batch (not awaited), which
 keeps the cluster's KV directory; a router that missed one asks for ``dump_cache``.
 
@@ -22,6 +24,7 @@ kept (``retired``), so the replica's counters never go backwards.
 import asyncio
 import itertools
 import logging
+import os
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
@@ -38,6 +41,7 @@ from cluster.engine.metrics import (
 from cluster.engine.outputs import EngineStats, RequestDelta
 from cluster.engine.resume import Resume
 from cluster.ray.heartbeat import Heartbeat
+from cluster.ray.kv_pull import ExportedBlocks, export_blocks, import_pull, stage_pull
 from cluster.ray.ray_executor import ShardFailure
 from kvstore.directory import CacheDump
 from router.sampling_params import SamplingParams
@@ -46,6 +50,8 @@ log = logging.getLogger(__name__)
 
 # Ray restarts a replica whose own process dies; it then builds a fresh engine in __init__.
 REPLICA_ACTOR_OPTIONS = {"max_restarts": 3, "max_task_retries": 0, "num_cpus": 0}
+# idle this long, the shards stop polling for steps; the next step costs ~1 ms more
+PARK_AFTER_S = 0.5
 
 
 class ReplicaFailure(RuntimeError):
@@ -54,6 +60,10 @@ class ReplicaFailure(RuntimeError):
 
 class ReplicaActor:
     def __init__(self, config: EngineConfig, replica_id: int = 0, router: object = None) -> None:
+        # Ray warns at any ray.get in an async actor's process; here every one runs in this
+        # constructor (before any call is taken) or on a worker thread (steps, rebuilds, shard
+        # pids, metrics), never on the event loop
+        os.environ["RAY_WARN_BLOCKING_GET_INSIDE_ASYNC"] = "0"
         # shards always run as actors, so a dead shard is seen and the replica survives it
         self.config = replace(config, distributed_executor_backend="ray")
         self.replica_id = replica_id
@@ -91,7 +101,7 @@ class ReplicaActor:
     def info(self) -> dict[str, object]:
         engine = self._engine()
         return {"model_path": str(engine.model_path), "max_model_len": engine.max_model_len,
-                "kv_hash_keys": engine.kv_hash_keys}
+                "kv_hash_keys": engine.kv_hash_keys, "transfer_rates": engine.transfer_rates}
 
     async def subscribe(
         self, consumer_id: str
@@ -113,10 +123,12 @@ class ReplicaActor:
 
     async def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                      consumer_id: str, resume: Resume | None = None,
-                     wait_s: float | None = None) -> None:
+                     wait_s: float | None = None, pull: ExportedBlocks | None = None) -> None:
         """Queues a request; its deltas go to ``consumer_id``'s stream. Bad input raises here,
         before anything is queued. ``resume``: it continues what a lost replica started.
-        A request that arrives during a rebuild waits for it, up to ``wait_s``."""
+        A request that arrives during a rebuild waits for it, up to ``wait_s``. ``pull``:
+        blocks of its prefix another replica exported, taken into this one's host tier first
+        (kv_pull.py)."""
         try:
             await asyncio.wait_for(self.ready.wait(), wait_s)
         except TimeoutError:
@@ -128,8 +140,28 @@ class ReplicaActor:
             raise ValueError(f"request id '{request_id}' is already in use")
         self.consumers.setdefault(consumer_id, asyncio.Queue())  # subscribe may come second
         self.owners[request_id] = consumer_id
-        self._submit(request_id,
-                     lambda: engine.add_request(prompt_ids, params, request_id, resume))
+        import_id = await stage_pull(engine, pull) if pull is not None else None
+
+        def add() -> None:
+            # staged in this engine's shards: a rebuilt one has none of it
+            if import_id is not None and pull is not None and self.engine is engine:
+                import_pull(engine, import_id, pull)
+            engine.add_request(prompt_ids, params, request_id, resume)
+
+        self._submit(request_id, add)
+
+    async def export_blocks(self, hashes: list, token_ids: list[list[int]]
+                            ) -> ExportedBlocks | None:
+        """The leading blocks of ``hashes`` this replica's host tier holds, in the object
+        store for another replica (kv_pull.py); None when it holds none."""
+        return await export_blocks(self._engine(), self._between_steps, self.replica_id,
+                                   hashes, token_ids)
+
+    async def _between_steps(self, call: Callable[[], object]) -> object:
+        """Runs ``call`` on the loop between two steps; its result."""
+        done: asyncio.Future[object] = asyncio.get_running_loop().create_future()
+        self._submit("", lambda: done.set_result(call()), on_error=done.set_exception)
+        return await done
 
     async def abort(self, request_id: str) -> None:
         self.owners.pop(request_id, None)
@@ -165,15 +197,15 @@ class ReplicaActor:
         assert self.wakeup is not None
         while True:
             if not self.pending and not self.broken and not (
-                    self.engine and self.engine.has_unfinished()):
+                    self.engine and self._has_work(self.engine)):
                 self.wakeup.clear()
-                await self.wakeup.wait()
+                await self._idle()
             if self.broken is not None:
                 broken, self.broken = self.broken, None
                 if broken[0] is self.engine:  # else a failed step has rebuilt it already
                     await self._recover(broken[1])
             self._apply_pending()
-            if self.engine is None or not self.engine.has_unfinished():
+            if self.engine is None or not self._has_work(self.engine):
                 continue
             try:
                 outputs = await asyncio.to_thread(self.engine.step_deltas)
@@ -187,6 +219,28 @@ class ReplicaActor:
             for output in outputs:
                 self._deliver(output.request_id, output)
             self._publish_kv_events()
+
+    @staticmethod
+    def _has_work(engine: LLMEngine) -> bool:
+        """Requests to step, or copies between tiers (an idle engine's write-through)."""
+        return engine.has_unfinished() or engine.has_pending_transfers()
+
+    async def _idle(self) -> None:
+        """Waits for work; idle past PARK_AFTER_S, the engine's shards are parked first."""
+        assert self.wakeup is not None
+        try:
+            await asyncio.wait_for(self.wakeup.wait(), PARK_AFTER_S)
+            return
+        except TimeoutError:
+            pass
+        engine = self.engine
+        if engine is not None:
+            try:
+                await asyncio.to_thread(engine.executor.park)  # type: ignore[attr-defined]
+            except ShardFailure as error:
+                self.broken = (engine, f"lost a shard and is rebuilding: {error}")
+                return
+        await self.wakeup.wait()
 
     def _publish_kv_events(self) -> None:
         publisher = self.engine.kv_events if self.engine is not None else None
@@ -237,6 +291,7 @@ class ReplicaActor:
         self.dead_reason = message
         self.ready.clear()
         if old is not None:
+            # on the loop: while it ran elsewhere, metrics() would report neither engine
             self.retired = idle(cumulative(self.retired, old.metrics_snapshot()))
             await asyncio.to_thread(old.shutdown)
         try:
@@ -283,9 +338,12 @@ class ReplicaActor:
     async def metrics(self) -> MetricsSnapshot:
         """Counters and histograms since this process started, across engine rebuilds; the
         gauges of the engine running now (zero while it is rebuilt)."""
-        if self.engine is None:
-            return self.retired
-        return cumulative(self.retired, self.engine.metrics_snapshot())
+        engine, retired = self.engine, self.retired
+        if engine is None:
+            return retired
+        # in a thread: the snapshot asks every shard for its device stats. ``retired`` as it
+        # was before: a rebuild meanwhile adds this engine's final counts to it
+        return cumulative(retired, await asyncio.to_thread(engine.metrics_snapshot))
 
     async def load_sample(self) -> LoadSample:
         """The autoscaler's signals, each second: no histogram copies, no shard calls."""

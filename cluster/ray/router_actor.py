@@ -6,11 +6,14 @@ replica then sends. The router never calls a replica: the health monitor tells i
 up (replica_monitor.py), ingresses tell it which requests moved after a loss.
 """
 
+import time
 from collections.abc import Sequence
 
 from kvstore.block_hash import BlockHash
 from kvstore.directory import CacheDump, EventBatch
 from router.admission import AdmissionLimits, Refusal
+from router.kv_pricing import TransferRates
+from router.placement import Decision
 from router.replica_router import ClusterHealth, ReplicaRouter, RouterStats
 
 # A restarted router starts with an empty directory and no loads: both rebuild themselves (the
@@ -26,12 +29,20 @@ class RouterActor:
 
     async def assign(self, request_id: str, block_hashes: Sequence[BlockHash],
                      num_prompt_tokens: int, block_size: int, exclude: Sequence[int] = (),
-                     resumed: bool = False) -> int | Refusal:
-        """The replica's index, or why none takes it (a value, not an exception: refusals
-        are routine under overload and cost no traceback here)."""
-        decision = self.router.assign(request_id, block_hashes, num_prompt_tokens, block_size,
-                                      exclude, resumed)
-        return decision if isinstance(decision, Refusal) else decision.replica
+                     resumed: bool = False) -> Decision | Refusal:
+        """The replica (and any blocks it pulls first), or why none takes it (a value, not an
+        exception: refusals are routine under overload and cost no traceback here)."""
+        return self.router.assign(request_id, block_hashes, num_prompt_tokens, block_size,
+                                  exclude, resumed)
+
+    async def set_rates(self, rates: TransferRates | None) -> None:
+        self.router.set_rates(rates)
+
+    async def time_fetch(self, refs: list) -> float:
+        """Seconds to fetch ``refs[0]`` from the object store (kv_pull.py's probe)."""
+        started = time.perf_counter()
+        await refs[0]
+        return time.perf_counter() - started
 
     async def lost(self, request_id: str, replica: int, process_died: bool) -> None:
         self.router.lost(request_id, replica, process_died)

@@ -2,6 +2,7 @@
 
 import os
 import socket
+import threading
 from datetime import timedelta
 
 import ray
@@ -28,6 +29,12 @@ def free_address() -> str:
         return f"{host}:{sock.getsockname()[1]}"
 
 
+class Park:
+    """A step that holds the shard's compiled-graph loop in a blocking wait until ``unpark``:
+    that loop waits for its next step by polling its input channel, a whole core per idle
+    shard (RayExecutor.park)."""
+
+
 class ShardActor:
     """Made a Ray actor with ``ray.remote(ShardActor)`` at run time: a class left undecorated
     in its module pickles by reference, so actors import it rather than receive its code."""
@@ -38,6 +45,7 @@ class ShardActor:
             torch.set_num_threads(config.cpu_threads)
         self.worker: Worker | None = None
         self.profiler = None  # a torch.profiler between start_profile and stop_profile
+        self.unparked = threading.Event()  # set by ``unpark``, from Ray's ordinary call thread
 
     def rendezvous_address(self) -> str:
         return free_address()
@@ -80,9 +88,29 @@ class ShardActor:
         assert self.worker is not None
         return self.worker.init_kv_cache(num_blocks)
 
-    def execute(self, step: StepInput) -> StepOutput | None:
+    def execute(self, step: StepInput | Park) -> StepOutput | None:
+        if isinstance(step, Park):
+            # runs on the compiled graph's thread; ordinary calls (unpark, pings) on another
+            self.unparked.wait()
+            self.unparked.clear()
+            return None
         assert self.worker is not None
         return self.worker.execute(step)
+
+    def export_host_slots(self, slots: list[int]) -> torch.Tensor:
+        """Beside the compiled graph's steps: the slots are pinned by the engine meanwhile."""
+        assert self.worker is not None
+        return self.worker.export_host_slots(slots)
+
+    def stage_host_import(self, import_id: str, rows: torch.Tensor) -> None:
+        """``rows``: another replica's shard of the same rank exported them (Ray resolves the
+        object ref it was sent as)."""
+        assert self.worker is not None
+        self.worker.stage_host_import(import_id, rows)
+
+    def unpark(self) -> None:
+        """Lets a parked compiled-graph loop go on (one ``Park`` step; an early call counts)."""
+        self.unparked.set()
 
     def device_stats(self) -> DeviceStats | None:
         """Called at scrape time beside the compiled graph's steps: NVML and the allocator's

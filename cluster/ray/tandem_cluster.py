@@ -7,7 +7,9 @@
 Each replica is a ``ReplicaActor`` with its own tensor-parallel shard actors; the
 ``RouterActor`` picks the replica for each request from the prompt's block hashes (computed
 here, with the engines' block size and extra keys) and the replicas' loads, or refuses it when
-every queue is full (``Overloaded``) or the server drains (``Draining``). A request whose
+every queue is full (``Overloaded``) or the server drains (``Draining``). With host KV tiers,
+it may also pick a replica that first pulls the prefix from another's host tier (kv_pull.py),
+priced from rates measured here at start-up. A request whose
 replica is lost continues on another (failover.py); the ``ReplicaMonitor`` pings every replica
 and its shards each period, tells the router which are up, and keeps the metrics. Stopping the
 iteration early (a client that disconnected) aborts the request on its replica, which frees its
@@ -30,6 +32,7 @@ from cluster.engine.outputs import EngineStats, OutputAccumulator, RequestOutput
 from cluster.engine.resume import Resume
 from cluster.ray.autoscaler import ReplicaAutoscaler
 from cluster.ray.failover import ReplicaLost, process_died, with_failover
+from cluster.ray.kv_pull import ExportedBlocks, block_tokens, measure_pull_bandwidth
 from cluster.ray.refusals import Draining, Overloaded, Unavailable
 from cluster.ray.replica import REPLICA_ACTOR_OPTIONS, ReplicaActor
 from cluster.ray.replica_monitor import MONITOR_ACTOR_OPTIONS, ReplicaMonitor
@@ -39,7 +42,8 @@ from cluster.ray.serving_policy import ServingPolicy
 from kvstore.block_hash import BlockHash, ExtraKeys, hash_full_blocks
 from router.admission import Refusal
 from router.autoscale import AutoscalingPolicy
-from router.placement import POLICIES
+from router.kv_pricing import TransferRates
+from router.placement import POLICIES, Decision
 from router.replica_router import ClusterHealth, RouterStats
 from router.sampling_params import SamplingParams
 from workers.catalog import resolve_model
@@ -99,6 +103,7 @@ class TandemCluster:
         self.model_path = resolve_model(str(infos[0]["model_path"]), config.cache_dir)
         self.max_model_len = min(int(info["max_model_len"]) for info in infos)  # type: ignore[call-overload]
         self.kv_hash_keys = infos[0]["kv_hash_keys"]
+        self._set_transfer_rates([info["transfer_rates"] for info in infos])
         # started once every replica is up, so its first round finds them whole
         self.monitor = ray.remote(ReplicaMonitor).options(**MONITOR_ACTOR_OPTIONS).remote(
             self.replicas, self.router, policy.health_check_period_s,
@@ -108,6 +113,16 @@ class TandemCluster:
         if autoscaling is not None:
             self.autoscaler = ReplicaAutoscaler(self, autoscaling)
             self.autoscaler.start()
+
+    def _set_transfer_rates(self, measured: list) -> None:
+        """Pulls between host tiers are priced from the slowest replica's rates and the
+        object store's bandwidth, measured once; none without host tiers or a second one."""
+        if len(measured) < 2 or any(rates is None for rates in measured):
+            return
+        rates = TransferRates(min(r.prefill_tokens_per_s for r in measured),
+                              min(r.host_copy_bytes_per_s for r in measured),
+                              measured[0].block_bytes, measure_pull_bandwidth(self.router))
+        ray.get(self.router.set_rates.remote(rates))
 
     def handles(self) -> ClusterHandles:
         return ClusterHandles(list(self.replicas), self.router, str(self.model_path),
@@ -180,10 +195,13 @@ class TandemCluster:
                        ) -> AsyncGenerator[RequestOutput, None]:
         """The request on one replica, from ``resume`` when it continues after a loss; a loss
         of that replica raises ``ReplicaLost``."""
-        index = await self.router.assign.remote(request_id, hashes, len(prompt_ids),
-                                                self.kv_hash_keys[0], sorted(lost), bool(lost))
-        if isinstance(index, Refusal):
-            raise self._refusal(index)
+        decision = await self.router.assign.remote(request_id, hashes, len(prompt_ids),
+                                                   self.kv_hash_keys[0], sorted(lost),
+                                                   bool(lost))
+        if isinstance(decision, Refusal):
+            raise self._refusal(decision)
+        index = decision.replica
+        pull = await self._export(decision, prompt_ids, hashes)
         replica = self.replicas[index] if index < len(self.replicas) else None
         if replica is None:  # the autoscaler added it after this view last looked
             replica = await self._refresh_replicas(index)
@@ -194,7 +212,7 @@ class TandemCluster:
         try:
             # a rebuild is waited for no longer than failover allows, so it cannot hang
             await replica.submit.remote(request_id, prompt_ids, params, stream.consumer_id,
-                                        resume, self.policy.failover_timeout_s)
+                                        resume, self.policy.failover_timeout_s, pull)
             while not finished:
                 # what queued up while the caller was busy leaves as one output: a consumer
                 # that falls behind catches up instead of falling further behind
@@ -228,6 +246,24 @@ class TandemCluster:
                     await self.router.lost.remote(request_id, index, loss.process_died)
                 else:
                     await self.router.release.remote(request_id)
+
+    async def _export(self, decision: Decision, prompt_ids: list[int],
+                      hashes: list[BlockHash]) -> ExportedBlocks | None:
+        """The blocks the router asked to pull, out of their holder's host tier; None when
+        there are none (or the holder failed: the request then recomputes them)."""
+        pull = decision.pull
+        source = self.replicas[pull.source] if pull is not None and (
+            pull.source < len(self.replicas)) else None
+        if pull is None or source is None:
+            return None
+        stop = pull.first_block + pull.num_blocks
+        try:
+            return await source.export_blocks.remote(
+                hashes[pull.first_block:stop],
+                block_tokens(prompt_ids, self.kv_hash_keys[0], pull.first_block, pull.num_blocks))
+        except ray.exceptions.RayError as error:
+            log.warning("replica %d could not export KV blocks: %r", pull.source, error)
+            return None
 
     def _refusal(self, refusal: Refusal) -> Unavailable:
         retry = self.policy.retry_after_s

@@ -17,7 +17,7 @@ def test_capture_sizes():
     assert capture_sizes(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
     assert capture_sizes(20) == [1, 2, 4, 8, 16, 24]
     sizes = capture_sizes(1024)
-    assert sizes[-1] == 256 and len(sizes) == 3 + 32
+    assert sizes[-1] == 512 and len(sizes) == 3 + 64
 
 
 def test_bucket_for():

@@ -9,6 +9,7 @@ import torch
 
 from kvstore.block_hash import hash_block_tokens
 from kvstore.transfers import BlockLoad, DiskRead, DiskWrite, KVTransfers
+from workers.attention.layer_cache import LayerKVCache
 from workers.kv_offload import KVOffloader, layer_tensors
 from workers.layers.parallel import TensorParallelGroup
 
@@ -26,9 +27,10 @@ def gpu_caches(dtype, num_blocks=64, layers=4, scales=False, shape=(16, 4, 64)):
         return torch.randn(size, generator=generator, device="cuda").to(kind)
 
     if scales:
-        return [(rand(full, torch.int8), rand(full, torch.int8), rand(full[:3], torch.float32),
-                 rand(full[:3], torch.float32)) for _ in range(layers)]
-    return [(rand(full, dtype), rand(full, dtype)) for _ in range(layers)]
+        return [LayerKVCache(rand(full, torch.int8), rand(full, torch.int8),
+                             rand(full[:3], torch.float32), rand(full[:3], torch.float32))
+                for _ in range(layers)]
+    return [LayerKVCache(rand(full, dtype), rand(full, dtype)) for _ in range(layers)]
 
 
 def bits(tensors, ids):

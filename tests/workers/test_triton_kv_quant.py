@@ -26,7 +26,8 @@ from workers.attention.kv_quant import dequantize, quantize  # noqa: E402
 from workers.attention.layer_cache import LayerKVCache  # noqa: E402
 from workers.attention.reference import ReferenceAttentionBackend, paged_attention  # noqa: E402
 from workers.attention.triton_backend import TritonAttentionBackend  # noqa: E402
-from workers.attention.triton_decode import decode_attention  # noqa: E402
+from workers.attention.triton_decode import decode_attention, default_tile  # noqa: E402
+from workers.attention.triton_quant import conversion, dot_dtype  # noqa: E402
 from workers.attention.triton_store import store_kv  # noqa: E402
 from workers.layers.attention_input import attention_input  # noqa: E402
 from workers.layers.rotated_attention_input import rotated_attention_input  # noqa: E402
@@ -91,6 +92,9 @@ CASES = {  # (seq_lens, q_lens, heads, kv_heads, head_dim, block_size)
     "decode, odd group and head_dim": ([33, 270], [1, 1], 6, 2, 80, 16),
     "prefix hit, decode row, prefill, chunk": ([20, 40, 50, 70], [5, 1, 50, 16], 8, 2, 64, 16),
     "pure prefill, blocks of 8": ([7, 24], [7, 24], 4, 4, 64, 8),
+    # an odd head count: a scale's 4-byte word holds it in either half (load_scales, which
+    # decode and extend share)
+    "decode, three kv heads": ([40, 17], [1, 1], 6, 3, 64, 16),
 }
 
 
@@ -193,6 +197,26 @@ def test_rotated_attention_input_stores_k_times_h_and_returns_q_times_h(dtype, q
     with pytest.raises(ValueError, match="^rotated_attention_input needs a cache of rotated "
                                          "keys$"):
         rotated_attention_input(qkv, HEADS, cos, sin, zero, slots)
+
+
+def test_one_byte_elements_take_16_kb_steps_split_or_not():
+    # the bytes of bfloat16's 8,192-value steps (64 tokens at head_dim 128)
+    assert default_tile(1, 128, 1) == default_tile(4, 128, 1) == (128, 4, 3)
+    assert default_tile(1, 128, 2) == (64, 4, 3)
+    assert default_tile(1, 64, 1) == (128, 4, 3)  # capped at 128 tokens
+    assert default_tile(4, 128) == (64, 4, 3)  # bfloat16 split contexts: 64-token steps
+
+
+def test_quantized_dots_take_float16_and_the_measured_conversions():
+    assert str(dot_dtype(torch.bfloat16, torch.int8)) == "fp16"
+    assert str(dot_dtype(torch.float16, torch.float8_e4m3fn)) == "fp16"
+    assert str(dot_dtype(torch.bfloat16, torch.bfloat16)) == "bf16"
+    assert str(dot_dtype(torch.float32, torch.int8)) == "fp32"
+    gpu, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert conversion(gpu, torch.int8) == conversion(gpu, torch.int8, one_split=True) == "asm"
+    assert conversion(gpu, torch.float8_e4m3fn) == "asm"
+    assert conversion(gpu, torch.float8_e4m3fn, one_split=True) == "cast"
+    assert conversion(cpu, torch.int8) == "cast"  # the interpreter runs no PTX
 
 
 def test_a_quantized_cache_needs_its_scales():

@@ -18,6 +18,12 @@ A sequence of length 0 (a padding row) gets an output of zeros.
 A quantized cache (int8 or e4m3, ``k_scale``/``v_scale`` given) is read as it is stored, one
 byte an element, with each row's float16 scale beside it, and dequantized in registers before
 the dots: half the bytes of a bfloat16 cache cross the memory bus (workers/attention/kv_quant.py).
+For a 16-bit model the dots then run in float16 (int8 and e4m3 values are float16 numbers),
+the elements converted without the SM's slow conversion unit (workers/attention/triton_quant.py).
+On an H200 at the Llama-3.1-8B shape such a kernel takes about as long as bfloat16's over the
+same tokens (1.02-1.08x), so ~2.1 against ~4.2 TB/s: per token it issues as many instructions
+as bfloat16's, and shared memory (the int8 tiles plus their float16 copies for the dots) holds
+one program an SM instead of two.
 
 Programs start in grid order, so the grid decides which reads run side by side. The kv heads
 of one sequence come first (axis 0): they read neighbouring rows of the same cache blocks at
@@ -31,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from workers.attention.triton_quant import check_scales, load_rows
+from workers.attention.triton_quant import check_scales, conversion, dot_dtype, load_rows
 
 MIN_TOKENS_PER_SPLIT = 256  # below this the reduction costs more than the parallelism gains
 MAX_SPLITS = 32
@@ -74,6 +80,8 @@ def _decode_split_kernel(
     DOT_PRECISION: tl.constexpr,
     ORDERED: tl.constexpr,
     QUANTIZED: tl.constexpr,  # int8 or e4m3 elements, scales beside them
+    DOT_DTYPE: tl.constexpr,  # q's dtype; float16 for a 16-bit model over a quantized cache
+    CONVERT: tl.constexpr,  # how the kernel turns int8 / e4m3 into float16 (triton_quant.py)
 ):
     kv_head = tl.program_id(0)
     seq = tl.load(order_ptr + tl.program_id(1)) if ORDERED else tl.program_id(1)
@@ -94,7 +102,7 @@ def _decode_split_kernel(
 
     q_offs = seq * stride_qt + heads[:, None] * stride_qh + offs_d[None, :]
     q = tl.load(q_ptr + q_offs, mask=h_mask[:, None] & d_mask[None, :], other=0.0)
-    # (BLOCK_H, BLOCK_D)
+    q = q.to(DOT_DTYPE)  # (BLOCK_H, BLOCK_D)
 
     row_max = tl.full([BLOCK_H], float("-inf"), tl.float32)  # running max of the scores
     row_sum = tl.zeros([BLOCK_H], tl.float32)  # running sum of exp2(score - row_max)
@@ -109,9 +117,9 @@ def _decode_split_kernel(
         kv_mask = n_mask[:, None] & d_mask[None, :]
         scale_offs = page * stride_scale_block + (pos % PAGE_SIZE) * stride_scale_slot + kv_head
         k = load_rows(k_cache_ptr, k_scale_ptr, kv_offs, kv_mask, scale_offs, n_mask, q.dtype,
-                      QUANTIZED)
+                      QUANTIZED, CONVERT)
         v = load_rows(v_cache_ptr, v_scale_ptr, kv_offs, kv_mask, scale_offs, n_mask, q.dtype,
-                      QUANTIZED)
+                      QUANTIZED, CONVERT)
         # (BLOCK_N, BLOCK_D) each
 
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
@@ -181,14 +189,22 @@ def choose_num_splits(batch_size: int, num_kv_heads: int, max_seq_len: int, num_
     return max(1, min(MAX_SPLITS, by_length, by_occupancy))
 
 
-def default_tile(num_splits: int, head_dim: int) -> tuple[int, int, int]:
+def default_tile(num_splits: int, head_dim: int, element_bytes: int = 2) -> tuple[int, int, int]:
     """(BLOCK_N, num_warps, num_stages). One split means a batch large enough to fill the GPU;
     there a step reads 8,192 values of K (and of V) a program, three steps in flight: with the
     rows longest first, `python -m tools.kernels.tune_decode` measured on an H200 153.5
     against 157.6 us for 128-token steps at W2's mix (batch 128, contexts 200-2000, Qwen3-0.6B
     heads, head_dim 128), and 52.7 us at W3's (batch 64, Llama-3.2-1B heads, head_dim 64; best
-    52.5). Split contexts (small batches) keep 64-token steps, which waste less on each split's
-    masked last step."""
+    52.5). Split contexts (small batches) keep 64-token steps, which waste less on each
+    split's masked last step.
+
+    One-byte elements (int8, e4m3) take 16,384 values a step, the 16 KB of bfloat16's 8,192,
+    split or not: `python -m tools.kernels.time_kv_decode` (H200, Llama-3.1-8B heads) measured
+    int8 at one split 1,530 against 1,802 us for 64-token steps (batch 360, 4,352 tokens;
+    1,670 with 8 warps, 1,517 with 2 stages), 20.3 against 22.4 us at batch 1 (4,096 tokens,
+    18 splits) and 148.3 against 150.8 at batch 32 (2 splits)."""
+    if element_bytes == 1:
+        return (max(32, min(128, 16384 // triton.next_power_of_2(head_dim))), 4, 3)
     if num_splits > 1:
         return (64, 4, 3)
     return (max(32, min(128, 8192 // triton.next_power_of_2(head_dim))), 4, 3)
@@ -207,6 +223,7 @@ def decode_attention(
     order: torch.Tensor | None = None,  # (B,) int32: a permutation of the rows
     k_scale: torch.Tensor | None = None,  # (num_blocks, block_size, kv_heads): int8/e4m3 only
     v_scale: torch.Tensor | None = None,
+    convert: str | None = None,  # exact_values' CONVERT; default: conversion()'s choice
 ) -> torch.Tensor:
     """Paged attention of one query token per sequence over its whole cached context.
 
@@ -215,7 +232,8 @@ def decode_attention(
     ``order`` only schedules: the rows longest first (``longest_first``) run fastest, and any
     permutation gives the same result (``AttentionMetadata.decode_order``).
     """
-    block_n, num_warps, num_stages = tile or default_tile(num_splits, q.shape[2])
+    block_n, num_warps, num_stages = tile or default_tile(num_splits, q.shape[2],
+                                                          k_cache.element_size())
     batch_size, num_heads, head_dim = q.shape
     num_kv_heads, page_size = k_cache.shape[2], k_cache.shape[1]
     assert num_heads % num_kv_heads == 0 and q.stride(2) == 1
@@ -269,6 +287,8 @@ def decode_attention(
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         ORDERED=order is not None,
         QUANTIZED=k_scale is not None,
+        DOT_DTYPE=dot_dtype(q.dtype, k_cache.dtype),
+        CONVERT=convert or conversion(q.device, k_cache.dtype, num_splits == 1),
         num_warps=num_warps,
         num_stages=num_stages,
     )

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from workers.attention.triton_quant import check_scales, load_rows
+from workers.attention.triton_quant import check_scales, conversion, dot_dtype, load_rows
 
 
 @triton.jit
@@ -33,7 +33,7 @@ def _attend_keys(
     n_start, offs_n, offs_d, d_mask, q_pos, end, kv_head, scale_log2, stride_cache_block,
     stride_cache_slot, stride_cache_head, stride_scale_block, stride_scale_slot,
     PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, MASKED: tl.constexpr,
-    QUANTIZED: tl.constexpr,
+    QUANTIZED: tl.constexpr, CONVERT: tl.constexpr,
 ):  # fmt: skip
     """One online-softmax step over the keys at positions n_start + offs_n: the new (acc,
     row_sum, row_max). MASKED: some keys lie past end or past a row's own position."""
@@ -48,9 +48,9 @@ def _attend_keys(
     kv_mask = n_mask[:, None] & d_mask[None, :] if MASKED else d_mask[None, :]
     scale_offs = page * stride_scale_block + (pos % PAGE_SIZE) * stride_scale_slot + kv_head
     k = load_rows(k_cache_ptr, k_scale_ptr, kv_offs, kv_mask, scale_offs, n_mask, q.dtype,
-                  QUANTIZED)
+                  QUANTIZED, CONVERT)
     v = load_rows(v_cache_ptr, v_scale_ptr, kv_offs, kv_mask, scale_offs, n_mask, q.dtype,
-                  QUANTIZED)
+                  QUANTIZED, CONVERT)
     # (BLOCK_N, BLOCK_D) each
 
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
@@ -99,6 +99,8 @@ def _extend_kernel(
     BLOCK_N: tl.constexpr,  # context tokens per loop step
     DOT_PRECISION: tl.constexpr,
     QUANTIZED: tl.constexpr,  # int8 or e4m3 elements, scales beside them
+    DOT_DTYPE: tl.constexpr,  # q's dtype; float16 for a 16-bit model over a quantized cache
+    CONVERT: tl.constexpr,  # how the kernel turns int8 / e4m3 into float16 (triton_quant.py)
 ):
     seq = tl.program_id(0)
     q_block = tl.num_programs(1) - 1 - tl.program_id(1)  # the longest walks launch first
@@ -122,7 +124,7 @@ def _extend_kernel(
 
     q_offs = (q_start + q_tok)[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :]
     qd_mask = m_mask[:, None] & d_mask[None, :]
-    q = tl.load(q_ptr + q_offs, mask=qd_mask, other=0.0)  # (BLOCK_M, BLOCK_D)
+    q = tl.load(q_ptr + q_offs, mask=qd_mask, other=0.0).to(DOT_DTYPE)  # (BLOCK_M, BLOCK_D)
 
     row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max of the scores
     row_sum = tl.zeros([BLOCK_M], tl.float32)  # running sum of exp2(score - row_max)
@@ -136,14 +138,14 @@ def _extend_kernel(
             q, acc, row_sum, row_max, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
             block_table, n_start, offs_n, offs_d, d_mask, q_pos, end, kv_head, scale_log2,
             stride_cache_block, stride_cache_slot, stride_cache_head, stride_scale_block,
-            stride_scale_slot, PAGE_SIZE, DOT_PRECISION, False, QUANTIZED,
+            stride_scale_slot, PAGE_SIZE, DOT_PRECISION, False, QUANTIZED, CONVERT,
         )  # fmt: skip
     for n_start in range(unmasked_end, end, BLOCK_N):
         acc, row_sum, row_max = _attend_keys(
             q, acc, row_sum, row_max, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
             block_table, n_start, offs_n, offs_d, d_mask, q_pos, end, kv_head, scale_log2,
             stride_cache_block, stride_cache_slot, stride_cache_head, stride_scale_block,
-            stride_scale_slot, PAGE_SIZE, DOT_PRECISION, True, QUANTIZED,
+            stride_scale_slot, PAGE_SIZE, DOT_PRECISION, True, QUANTIZED, CONVERT,
         )  # fmt: skip
 
     out = acc / row_sum[:, None]
@@ -167,6 +169,7 @@ def extend_attention(
     num_stages: int = 2,
     k_scale: torch.Tensor | None = None,  # (num_blocks, block_size, kv_heads): int8/e4m3 only
     v_scale: torch.Tensor | None = None,
+    convert: str | None = None,  # exact_values' CONVERT; default: conversion()'s choice
 ) -> torch.Tensor:
     """Causal paged attention of each sequence's new tokens over its whole context.
 
@@ -215,6 +218,8 @@ def extend_attention(
         BLOCK_N=block_n,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         QUANTIZED=k_scale is not None,
+        DOT_DTYPE=dot_dtype(q.dtype, k_cache.dtype),
+        CONVERT=convert or conversion(q.device, k_cache.dtype),
         num_warps=num_warps,
         num_stages=num_stages,
     )

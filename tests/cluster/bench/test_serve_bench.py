@@ -5,14 +5,19 @@ import argparse
 import asyncio
 import json
 import math
+import os
 import socket
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
 from cluster.bench import plots
+from cluster.bench.http_clients import split_load
+from cluster.bench.process_cpu import CpuMeter, cpu_seconds, process_name
 from cluster.bench.serve_bench import api_root, base_url_record, parse_loads
-from cluster.bench.serve_load import Load, Timing, run_load, run_loads
+from cluster.bench.serve_load import Load, Timing, num_prompts, run_load, run_loads
 from cluster.bench.vllm_results import (
     latency_stats,
     result_file_name,
@@ -107,6 +112,10 @@ def test_only_the_random_dataset_is_accepted(capsys):
     (["--request-rate", "4", "--max-concurrency", "2"], [Load(concurrency=2, rate=4.0)]),
     (["--request-rate", "1,4", "--max-concurrency", "2"],
      [Load(concurrency=2, rate=1.0), Load(concurrency=2, rate=4.0)]),
+    # uncapped Poisson loads after closed-loop ones, in one run
+    (["--max-concurrency", "2,8", "--poisson-rate", "5"],
+     [Load(concurrency=2), Load(concurrency=8), Load(rate=5.0)]),
+    (["--poisson-rate", "5"], [Load(rate=5.0)]),
 ])
 def test_loads_from_the_rate_and_concurrency_flags(flags, loads):
     assert parse_loads(serve_args(*flags)) == loads
@@ -136,6 +145,33 @@ def most_in_flight(load: Load, num_prompts: int) -> int:
     timings, _ = asyncio.run(run_load(send, [[1]] * num_prompts, 4, load, seed=0))
     assert len(timings) == num_prompts
     return peak
+
+
+def test_a_load_splits_over_client_processes_and_a_rate_gets_eight_seconds_of_prompts():
+    assert split_load(Load(concurrency=10), 4) == [Load(concurrency=c) for c in (3, 3, 2, 2)]
+    assert split_load(Load(concurrency=1), 4) == [Load(concurrency=1)]  # no process idle-capped
+    assert split_load(Load(rate=8.0), 4) == [Load(rate=2.0)] * 4
+    assert split_load(Load(concurrency=2, rate=8.0), 4) == [Load(concurrency=1, rate=4.0)] * 2
+    assert split_load(Load(rate=math.inf), 2) == [Load(rate=math.inf)] * 2
+    assert [num_prompts(load, 0) for load in (Load(concurrency=2), Load(concurrency=16),
+                                              Load(rate=10.0), Load(rate=1.0),
+                                              Load(rate=math.inf))] == [32, 128, 80, 32, 64]
+    assert num_prompts(Load(rate=10.0), 7) == 7
+
+
+def test_the_cpu_meter_names_this_process_and_its_share_of_a_core():
+    meter, before = CpuMeter(), cpu_seconds(os.getpid())
+    deadline = time.perf_counter() + 0.3
+    while time.perf_counter() < deadline:  # busy, as much as a shared machine lets it
+        pass
+    used = cpu_seconds(os.getpid()) - before
+    shares = meter.shares(top=1000)
+    seconds = time.perf_counter() - meter.start  # a little longer than shares' own
+    mine = process_name(os.getpid())
+    assert mine == Path(sys.argv[0]).name or mine == Path(sys.executable).name
+    # every python process of that name, summed: at least this one's share
+    assert used > 0.01 and shares[mine] >= used / seconds - 0.001
+    assert cpu_seconds(2**22 + 12345) is None  # above Linux's pid_max: no such process
 
 
 def test_an_unbounded_rate_sends_all_at_once_and_a_cap_holds():

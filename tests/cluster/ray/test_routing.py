@@ -1,10 +1,14 @@
 """Prefix-affinity routing on Ray: replicas' KV events reach the router's directory, which
-sends a prefix where it is cached; dumps agree with the directory; salts keep tenants apart."""
+sends a prefix where it is cached; dumps agree with the directory; salts keep tenants apart;
+a prefix whose replica is busy is pulled from that replica's host tier, through Ray's object
+store, to the replica the request runs on, with transformers' output."""
 
 import asyncio
 import time
 
 import pytest
+import torch
+from transformers import AutoModelForCausalLM
 
 from cluster import EngineConfig, SamplingParams
 from cluster.ray.tandem_cluster import TandemCluster
@@ -12,6 +16,7 @@ from cluster.ray.tandem_cluster import TandemCluster
 pytestmark = pytest.mark.ray
 
 PREFIX = list(range(100, 116))  # four blocks of 4
+BLOCK_BYTES = 2048  # the tiny llama's block: 2 layers x K and V x 4 tokens x 2 heads x 16 x 4 B
 
 
 async def run(cluster, prompt, request_id, **params):
@@ -29,8 +34,11 @@ def wait_for(condition, seconds=10.0):
 
 
 def test_a_prefix_goes_where_the_events_say_it_is_cached(ray_session, tiny_models):
-    cluster = TandemCluster(EngineConfig(model=str(tiny_models["llama"]), device="cpu",
-                                         block_size=4, num_kv_blocks=64), num_replicas=2)
+    # host tiers on: the pull at the end (one cluster for both: its start is most of the cost)
+    config = EngineConfig(model=str(tiny_models["llama"]), device="cpu", dtype="float32",
+                          block_size=4, num_kv_blocks=64,
+                          host_kv_cache_gb=64 * BLOCK_BYTES / (1 << 30))
+    cluster = TandemCluster(config, num_replicas=2)
     router = cluster.router
     try:
         asyncio.run(run(cluster, PREFIX + [7], "first"))
@@ -53,8 +61,40 @@ def test_a_prefix_goes_where_the_events_say_it_is_cached(ray_session, tiny_model
         wait_for(lambda: ray_session.get(router.stats.remote()).blocks_held == [
             len(ray_session.get(r.dump_cache.remote()).hashes) for r in cluster.replicas])
         assert ray_session.get(router.get_loads.remote()) == [0, 0]
+        pulled_while_the_holder_is_busy(cluster, tiny_models["llama"], ray_session)
     finally:
         cluster.shutdown()
+
+
+def pulled_while_the_holder_is_busy(cluster, model, ray_session):
+    """Replica 0 holds the prefix and is busy with another request of it (counted as decoding
+    there until its stream closes): the next one runs on replica 1, which pulls the four
+    blocks from replica 0's host tier, then loads them like any host-tier hit."""
+    before = asyncio.run(cluster.stats())
+
+    async def scenario():
+        busy = cluster.generate(PREFIX + [8], SamplingParams(temperature=0.0, max_tokens=8,
+                                                             ignore_eos=True), "busy")
+        await busy.__anext__()
+        try:
+            return await run(cluster, PREFIX + [9], "pulled")
+        finally:
+            await busy.aclose()
+
+    output = asyncio.run(scenario())
+    prompt = PREFIX + [9]
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    expected = hf.generate(torch.tensor([prompt]), max_new_tokens=3, do_sample=False,
+                           attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+    assert output.token_ids == expected[0, len(prompt):].tolist()
+    decisions = ray_session.get(cluster.router.stats.remote()).decisions
+    assert (decisions["affinity"], decisions["pull"]) == (4, 1)  # busy, then pulled
+    (source, target), (source_0, target_0) = asyncio.run(cluster.stats()), before
+    assert source.kv_exported_tokens - source_0.kv_exported_tokens == 16
+    assert (target.kv_pulled_tokens - target_0.kv_pulled_tokens,
+            target.host_cache_hits - target_0.host_cache_hits,
+            target.prefix_cache_hits - target_0.prefix_cache_hits) == (16, 16, 16)
+    assert source.kv_pulled_tokens == 0
 
 
 def test_a_router_that_lost_its_directory_resyncs_from_the_dumps(ray_session, tiny_models):

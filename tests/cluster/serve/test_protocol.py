@@ -201,7 +201,7 @@ def test_metrics_label_every_replica():
     decisions = {s.labels["reason"]: s.value for s in families["tandem:router_decisions"].samples
                  if s.name.endswith("_total")}
     assert decisions == {"affinity": 3.0, "no_match": 1.0, "load_guard": 0.0,
-                         "least_loaded": 0.0, "round_robin": 0.0}
+                         "least_loaded": 0.0, "round_robin": 0.0, "pull": 0.0}
     in_flight = families["tandem:router_requests_in_flight"].samples
     assert {s.labels["replica"]: s.value for s in in_flight} == {"0": 2.0, "1": 0.0}
     assert [s.value for s in families["tandem:kv_directory_blocks"].samples] == [12.0]

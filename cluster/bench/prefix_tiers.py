@@ -1,0 +1,94 @@
+"""W4 with KV tiers (`tandem bench prefix --host-kv-cache-gb G`): the same requests through
+one engine three ways — recompute (the device prefix cache alone), a host tier of G GiB, and
+(with --disk-kv-cache-dir) a host tier of G/4 over the disk tier, so that most repeats come
+back from disk. With --num-kv-blocks a quarter of the prefixes' blocks and --pass-major, every
+prefix comes back after the device cache has evicted it.
+
+Each run reports prompt tokens computed, TTFT, TPOT and throughput, the bytes the tiers moved,
+and the transfer rate: device <-> host bytes over their time on the copy stream (rank 0's
+CUDA events), against the host-copy bandwidth the engine measured at start-up in the run.
+"""
+
+import argparse
+import shutil
+
+from cluster.bench.engine_runs import release
+from cluster.bench.report import markdown_table, publish
+from cluster.bench.workloads import Request
+
+GB = 1e9
+
+
+def tier_runs(args: argparse.Namespace) -> dict[str, dict]:
+    runs = {"recompute": {}, "host": {"host_kv_cache_gb": args.host_kv_cache_gb}}
+    if args.disk_kv_cache_dir:
+        runs["host+disk"] = {"host_kv_cache_gb": args.host_kv_cache_gb / 4,
+                             "disk_kv_cache_dir": args.disk_kv_cache_dir,
+                             "disk_kv_cache_gb": args.disk_kv_cache_gb}
+    return runs
+
+
+def tier_figures(llm) -> dict:
+    """What the engine's tiers moved, and how fast, since it started."""
+    engine = llm.engine
+    tiers = engine.scheduler.kv.tiers
+    rates = engine.transfer_rates
+    if tiers is None:
+        return {}
+    counters = tiers.counters
+    block = engine.offload_block_bytes
+    return {
+        "host_copy_gb_per_s_measured": rates.host_copy_bytes_per_s / GB if rates else None,
+        "prefill_tokens_per_s_measured": rates.prefill_tokens_per_s if rates else None,
+        "transfer_gb_per_s": (counters.copied_bytes / counters.copy_seconds / GB
+                              if counters.copy_seconds else None),
+        "copied_gb": counters.copied_bytes / GB,
+        "stored_to_host_gb": counters.stored_to_host * block / GB,
+        "loaded_from_host_gb": counters.loaded_from_host * block / GB,
+        "written_to_disk_gb": counters.written_to_disk * block / GB,
+        "read_from_disk_gb": counters.read_from_disk * block / GB,
+        "host_cache_hits": llm.stats().host_cache_hits,
+        "disk_cache_hits": llm.stats().disk_cache_hits,
+    }
+
+
+def prefix_tiers(args: argparse.Namespace, setup, requests: list[Request],
+                 warmup: list[Request]) -> int:
+    results = {}
+    for name, options in tier_runs(args).items():
+        if "disk_kv_cache_dir" in options:  # an empty tier: its blocks come from this run
+            shutil.rmtree(options["disk_kv_cache_dir"], ignore_errors=True)
+        llm = setup.engine(num_kv_blocks=args.num_kv_blocks, **options)
+        setup.run(llm, warmup)
+        before = tier_figures(llm)
+        result = setup.run(llm, requests)
+        result.pop("token_ids")
+        after = tier_figures(llm)
+        for hits in ("host_cache_hits", "disk_cache_hits"):  # this run's, not the warm-up's
+            if hits in after:
+                after[hits] -= before[hits]
+        result["tiers"] = after
+        results[name] = result
+        release(llm)
+        print(f"{name}: computed {result['prompt_tokens_computed']}, TTFT p50 "
+              f"{result['ttft_s']['p50'] * 1e3:.0f} ms p99 {result['ttft_s']['p99'] * 1e3:.0f} ms"
+              f", {result['output_tokens_per_s']:.0f} output tok/s, tiers {after}", flush=True)
+    rows = []
+    for name, r in results.items():
+        t = r["tiers"]
+        rate = t.get("transfer_gb_per_s")
+        measured = t.get("host_copy_gb_per_s_measured")
+        rows.append([name, r["prompt_tokens_computed"], r["ttft_s"]["p50"] * 1e3,
+                     r["ttft_s"]["p99"] * 1e3, r["tpot_s"]["p50"] * 1e3,
+                     r["output_tokens_per_s"], r["total_tokens_per_s"],
+                     rate, measured, t.get("host_cache_hits"), t.get("disk_cache_hits")])
+    table = markdown_table(["W4 tiers", "prompt tokens computed", "TTFT p50 ms", "TTFT p99 ms",
+                            "TPOT p50 ms", "output tok/s", "total tok/s", "transfer GB/s",
+                            "host copy GB/s (measured)", "host hits", "disk hits"], rows)
+    recompute = results["recompute"]["ttft_s"]["p50"]
+    table += f"\n\nTTFT p50 recompute / host {recompute / results['host']['ttft_s']['p50']:.1f}x"
+    if "host+disk" in results:
+        table += f", recompute / host+disk {recompute / results['host+disk']['ttft_s']['p50']:.1f}x"
+    record = setup.record | {"workload": "prefix-tiers", "results": results}
+    publish(record, table, args.output)
+    return 0

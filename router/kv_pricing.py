@@ -1,0 +1,91 @@
+"""What moving KV blocks costs against recomputing them, from rates measured at start-up.
+
+Every choice is priced in seconds, then in prompt tokens (seconds × the prefill rate), the unit
+placement costs are in (placement.py)::
+
+    recompute   n tokens                    n / prefill_tokens_per_s
+    load        b blocks host -> device     b × block_bytes / host_copy_bytes_per_s
+    pull        b blocks from a peer's      b × block_bytes / pull_bytes_per_s, then a load
+                host tier, then a load
+    swap        a preempted sequence's      (c + b) × block_bytes / host_copy_bytes_per_s:
+                c missing blocks copied     c blocks copied out, b loaded back
+                out, all b loaded back
+
+Pure functions of plain numbers: the engine measures the rates, the router and the scheduler
+ask these.
+"""
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class TransferRates:
+    prefill_tokens_per_s: float  # one replica's prompt tokens per second
+    host_copy_bytes_per_s: float  # device <-> host tier, one replica
+    block_bytes: int  # one KV block over every shard
+    pull_bytes_per_s: float = 0.0  # replica -> replica through Ray's object store; 0: none
+
+    def __post_init__(self) -> None:
+        if self.prefill_tokens_per_s <= 0 or self.host_copy_bytes_per_s <= 0:
+            raise ValueError(f"measured rates must be positive: {self}")
+        if self.block_bytes < 1 or self.pull_bytes_per_s < 0:
+            raise ValueError(f"bad block size or pull rate: {self}")
+
+    def recompute_seconds(self, num_tokens: int) -> float:
+        return num_tokens / self.prefill_tokens_per_s
+
+    def copy_seconds(self, num_blocks: int) -> float:
+        return num_blocks * self.block_bytes / self.host_copy_bytes_per_s
+
+    def pull_seconds(self, num_blocks: int) -> float:
+        """From a peer's host tier into this replica's device cache."""
+        return num_blocks * self.block_bytes / self.pull_bytes_per_s + self.copy_seconds(
+            num_blocks)
+
+    def in_tokens(self, seconds: float) -> float:
+        return seconds * self.prefill_tokens_per_s
+
+
+def swap_pays(rates: TransferRates | None, num_copy_blocks: int, num_load_blocks: int,
+              num_recompute_tokens: int) -> bool:
+    """Whether a preempted sequence should be swapped to the host tier (its ``num_copy_blocks``
+    missing there copied out, then all ``num_load_blocks`` loaded back) rather than recompute
+    its ``num_recompute_tokens``. Unmeasured rates: swap (the copies run beside the steps)."""
+    if rates is None:
+        return True
+    swap = rates.copy_seconds(num_copy_blocks + num_load_blocks)
+    return swap < rates.recompute_seconds(num_recompute_tokens)
+
+
+@dataclass(frozen=True)
+class PullChoice:
+    replica: int  # where the request runs
+    source: int  # whose host tier the blocks come from
+    first_block: int  # the prompt's blocks first_block .. first_block + num_blocks - 1
+    num_blocks: int
+    cost: float  # in prompt tokens, as placement costs are
+
+
+def cheapest_pull(rates: TransferRates | None, costs: Mapping[int, float],
+                  stored: Mapping[int, int], matched: Mapping[int, int], max_blocks: int,
+                  block_size: int) -> PullChoice | None:
+    """The cheapest way to run a request on a replica that pulls the blocks it lacks from the
+    replica listing the longest prefix. ``costs``: each candidate's placement cost (prompt
+    tokens, with what it holds already); ``stored``: leading blocks each live replica's cache
+    lists (the directory's, not merely pending; any of them may be the source);
+    ``matched``: what each candidate holds or will.
+    None without a pull rate or when no pull saves anything."""
+    if rates is None or rates.pull_bytes_per_s <= 0 or not costs:
+        return None
+    source = max(stored, key=lambda index: (stored[index], -index))
+    best: PullChoice | None = None
+    for replica, cost in costs.items():
+        first = matched[replica]
+        num_blocks = min(stored[source], max_blocks) - first
+        if replica == source or num_blocks <= 0:
+            continue
+        pulled = cost - num_blocks * block_size + rates.in_tokens(rates.pull_seconds(num_blocks))
+        if best is None or pulled < best.cost:
+            best = PullChoice(replica, source, first, num_blocks, pulled)
+    return best

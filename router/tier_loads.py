@@ -1,0 +1,107 @@
+"""The sequences waiting for their prefix's blocks to come back from the host tier or disk.
+
+A waiting sequence whose prefix goes on past the device's prefix cache into the tiers below
+leaves the queue while those blocks are copied into fresh device blocks (``start``); the
+scheduler runs the others meanwhile and puts it back at the head of the queue when the workers
+report the blocks landed (``landed``), or when the load is given up: not back within
+``timeout_s`` (``expired``), or back with no block intact. A sequence whose load was given up
+loads no more; it recomputes. A load is started only where it is cheaper than recomputing the
+same tokens (kv_pricing.py).
+"""
+
+from collections.abc import Callable
+
+from kvstore.block_pool import KVBlock
+from kvstore.kv_cache_manager import KVCacheManager
+from kvstore.tiers import LoadResult, OffloadHits
+from kvstore.transfers import TransferReport
+from router.kv_pricing import TransferRates, swap_pays
+from router.sequence import Sequence
+
+
+class TierLoads:
+    def __init__(self, kv: KVCacheManager, rates: TransferRates | None,
+                 clock: Callable[[], float], timeout_s: float) -> None:
+        self.kv = kv
+        self.rates = rates
+        self.clock = clock
+        self.timeout_s = timeout_s
+        self.loading: dict[str, Sequence] = {}
+        self.started: dict[str, float] = {}  # by the clock, for the timeout
+        self.recomputes: set[str] = set()  # a load of theirs was given up: no more loads
+        # tokens a sequence's loads brought from the host tier and disk, counted as prefix
+        # hits of those tiers when it is admitted
+        self.loaded_tokens: dict[str, tuple[int, int]] = {}
+
+    def find(self, seq: Sequence, num_hits: int) -> OffloadHits | None:
+        """The blocks to load from below the pool, after ``num_hits`` device hits: none where
+        loading them costs more than computing them, or after a load of it was given up."""
+        if seq.request_id in self.recomputes:
+            return None
+        below = self.kv.find_offloaded(seq.request_id, seq.token_ids, num_hits)
+        if below is None or not swap_pays(self.rates, 0, below.num_blocks,
+                                          below.num_blocks * self.kv.block_size):
+            return None
+        return below
+
+    def start(self, seq: Sequence, hits: list[KVBlock], num_cached: int,
+              below: OffloadHits) -> int | None:
+        """Device blocks for the prefix found below the pool, and their load; how many blocks
+        it loads (0: none after all, its blocks are freed again), None when they do not fit."""
+        num_tokens = below.num_blocks * self.kv.block_size
+        if self.kv.allocate_slots(seq.request_id, num_cached, num_tokens, hits) is None:
+            return None
+        count = self.kv.start_load(seq.request_id, seq.token_ids, below)
+        if count:
+            self.loading[seq.request_id] = seq
+            self.started[seq.request_id] = self.clock()
+        else:
+            self.kv.free(seq.request_id)
+        return count
+
+    def expired(self) -> list[Sequence]:
+        """The sequences whose loads passed the timeout, given up (their blocks freed and
+        unpinned; the copies may still land: the workers order them before any later use of
+        those blocks), oldest first."""
+        deadline = self.clock() - self.timeout_s
+        given_up = []
+        for request_id in [r for r, t in self.started.items() if t <= deadline]:
+            del self.started[request_id]
+            seq = self.loading.pop(request_id)
+            self.kv.free(request_id)
+            self.recomputes.add(request_id)
+            given_up.append(seq)
+        return given_up
+
+    def landed(self, report: TransferReport) -> tuple[dict[str, LoadResult], list[Sequence]]:
+        """The workers' report: each sequence whose load landed has its blocks cached (those
+        that arrived intact) and freed, to find them as prefix hits. Returns the finished
+        loads' results, and those sequences."""
+        results = self.kv.apply_transfers(report)
+        back = []
+        for request_id, num_loaded in report.loaded.items():
+            seq = self.loading.pop(request_id, None)
+            if seq is None:
+                continue  # aborted or given up while it loaded
+            self.started.pop(request_id, None)
+            if num_loaded == 0:  # the copy failed: its blocks would fail again
+                self.recomputes.add(request_id)
+            self.kv.finish_load(request_id, seq.token_ids, num_loaded)
+            self.kv.free(request_id)
+            result = results.get(request_id)
+            if result is not None:  # a sequence may load twice (the first load was cut short)
+                size = self.kv.block_size
+                host, disk = self.loaded_tokens.get(request_id, (0, 0))
+                self.loaded_tokens[request_id] = (host + result.num_host_blocks * size,
+                                                  disk + result.num_disk_blocks * size)
+            back.append(seq)
+        return results, back
+
+    def forget(self, request_id: str) -> Sequence | None:
+        """The request ends: its sequence if it was loading (the caller frees its blocks)."""
+        self.started.pop(request_id, None)
+        self.recomputes.discard(request_id)
+        seq = self.loading.pop(request_id, None)
+        if seq is None:
+            self.loaded_tokens.pop(request_id, None)
+        return seq
