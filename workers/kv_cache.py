@@ -7,6 +7,7 @@ from transformers import PretrainedConfig
 
 from kvstore.kv_format import KVFormat, check_device_supports
 from kvstore.kv_format import kv_format as format_named
+from workers.attention.key_rotation import key_rotation
 from workers.attention.kv_quant import SCALE_DTYPE, element_dtype
 from workers.attention.layer_cache import LayerKVCache
 from workers.models.llama import kv_cache_shape_per_layer, num_layers
@@ -48,11 +49,13 @@ def allocate_kv_caches(
     device: torch.device,
     kv_format: KVFormat | None = None,
 ) -> KVCaches:
-    """Zeroed caches of every layer; kv_format None: elements of the model's ``dtype``."""
+    """Zeroed caches of every layer; kv_format None: elements of the model's ``dtype``. A
+    format that rotates keys gets its matrix in every layer's ``key_rotation``."""
     kv_heads, head_dim = kv_cache_shape_per_layer(config, tp_size)
     fmt = kv_format or unquantized(dtype)
     shape = (num_blocks, block_size, kv_heads, head_dim)
     elements = element_dtype(fmt)
+    rotation = key_rotation(fmt, head_dim, dtype, device)  # one matrix for every layer
 
     def layer() -> LayerKVCache:
         k, v = (torch.zeros(shape, dtype=elements, device=device) for _ in range(2))
@@ -60,7 +63,7 @@ def allocate_kv_caches(
             return LayerKVCache(k, v)
         k_scale, v_scale = (torch.zeros(shape[:3], dtype=SCALE_DTYPE, device=device)
                             for _ in range(2))
-        return LayerKVCache(k, v, k_scale, v_scale)
+        return LayerKVCache(k, v, k_scale, v_scale, rotation)
 
     return [layer() for _ in range(num_layers(config))]
 

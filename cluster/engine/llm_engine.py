@@ -51,6 +51,7 @@ from cluster.engine.tokenizer import (
 )
 from kvstore.disk_tier import check_directory
 from kvstore.kv_cache_manager import KVCacheManager
+from kvstore.kv_format import hash_key_of
 from router.sampling_params import SEED_END, SamplingParams
 from router.scheduler import Scheduler, SchedulerConfig
 from router.sequence import FinishReason, Sequence
@@ -147,8 +148,8 @@ class LLMEngine:
         # the model as the user named it isolates caches of different models, and a quantized
         # format blocks of another format (one a tier or a peer could hand over); the router
         # hashes prompts with the same keys (kv_hash_keys) to find them in the directory
-        extra_keys = (config.model,) if config.kv_cache_dtype == "auto" else (
-            config.model, f"kv_cache_dtype={config.kv_cache_dtype}")
+        format_key = hash_key_of(config.kv_cache_dtype)  # with the keys' rotation: kvstore
+        extra_keys = (config.model,) if format_key is None else (config.model, format_key)
         self.kv_hash_keys = (config.block_size, extra_keys)
         kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
                             extra_keys=self.kv_hash_keys[1], tiers=tiers)

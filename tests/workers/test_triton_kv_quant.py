@@ -21,6 +21,7 @@ from tests.workers.test_models import prefill_then_decode, prompt  # noqa: E402
 from tests.workers.test_triton_attention import TOLERANCE, make_batch  # noqa: E402
 from kvstore.kv_format import FP8, INT8  # noqa: E402
 from workers.attention import reference  # noqa: E402
+from workers.attention.key_rotation import hadamard, rotate  # noqa: E402
 from workers.attention.kv_quant import dequantize, quantize  # noqa: E402
 from workers.attention.layer_cache import LayerKVCache  # noqa: E402
 from workers.attention.reference import ReferenceAttentionBackend, paged_attention  # noqa: E402
@@ -29,8 +30,10 @@ from workers.attention.triton_decode import decode_attention, default_tile  # no
 from workers.attention.triton_quant import conversion, dot_dtype  # noqa: E402
 from workers.attention.triton_store import store_kv  # noqa: E402
 from workers.layers.attention_input import attention_input  # noqa: E402
+from workers.layers.rotated_attention_input import rotated_attention_input  # noqa: E402
 from workers.layers.parallel import TensorParallelGroup  # noqa: E402
 from workers.loader import load_model  # noqa: E402
+from workers.models.llama import head_dim_of  # noqa: E402
 
 QUANTIZED = [torch.int8, torch.float8_e4m3fn]
 
@@ -163,6 +166,39 @@ def test_attention_input_quantizes_each_head_as_store_kv(dtype, qk_norm):
                            zero.k_scale.view(-1, KV_HEADS)[untouched])
 
 
+@pytest.mark.parametrize("dtype", QUANTIZED)
+@pytest.mark.parametrize("qk_norm", [True, False])
+def test_rotated_attention_input_stores_k_times_h_and_returns_q_times_h(dtype, qk_norm):
+    head_dim = 32
+    qkv = randn(5, (HEADS + 2 * KV_HEADS) * head_dim) * 4
+    slots = torch.tensor([3, 17, -1, 0, 9])
+    norms = head_norms(qk_norm, head_dim, torch.float32)
+    cos, sin = cos_sin(5, head_dim, torch.float32)
+    want_q, want_k, want_v = expected(qkv, head_dim, cos, sin, slots, norms, 1e-6, torch.float32)
+    h = hadamard(head_dim)
+    want_k = rotate(want_k, h)
+    want = quantized(want_k, want_v, dtype)
+    zeros = torch.zeros(NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, head_dim)
+    zero = quantized(zeros, zeros, dtype)
+    got = LayerKVCache(*(t.clone() for t in (zero.k, zero.v, zero.k_scale, zero.v_scale)), h)
+    q = rotated_attention_input(qkv, HEADS, cos, sin, got, slots, *(norms or (None, None)),
+                                eps=1e-6)
+    torch.testing.assert_close(q, rotate(want_q, h), atol=2e-5, rtol=1e-5)
+    assert torch.equal(bits(got.v), bits(want.v)) and torch.equal(got.v_scale, want.v_scale)
+    step = got.k_scale.double()[..., None]  # k: rotary's rounding apart, within the bound
+    bound = step / 2 if dtype == torch.int8 else want_k.double().abs() / 16 + step / 1024
+    k_error = (dequantize(got.k, got.k_scale, torch.float32).double() - want_k.double()).abs()
+    assert (k_error <= bound + 2e-5).all()
+    untouched = torch.ones(NUM_BLOCKS * BLOCK_SIZE, dtype=torch.bool)
+    untouched[slots[slots >= 0]] = False  # the padding token (slot -1) wrote nothing
+    for scale in (got.k_scale, got.v_scale):
+        assert torch.equal(scale.view(-1, KV_HEADS)[untouched],
+                           zero.k_scale.view(-1, KV_HEADS)[untouched])
+    with pytest.raises(ValueError, match="^rotated_attention_input needs a cache of rotated "
+                                         "keys$"):
+        rotated_attention_input(qkv, HEADS, cos, sin, zero, slots)
+
+
 def test_one_byte_elements_take_16_kb_steps_split_or_not():
     # the bytes of bfloat16's 8,192-value steps (64 tokens at head_dim 128)
     assert default_tile(1, 128, 1) == default_tile(4, 128, 1) == (128, 4, 3)
@@ -201,14 +237,18 @@ def test_a_quantized_cache_needs_its_scales():
 @pytest.mark.parametrize("name", ["llama", "qwen3"])  # one-row qkv + store kernel; q/k norms
 @pytest.mark.parametrize("fmt", [INT8, FP8])
 def test_a_fused_model_on_a_quantized_cache_matches_the_plain_one(tiny_models, name, fmt):
-    """Fused, the attention-input kernel quantizes K and V (the one-row decode step too, which
-    leaves the qkv + store kernel for it); plain, store_kv does. Both read the same blocks."""
+    """Fused on the Triton backend, the attention input quantizes K and V (the one-row decode
+    step too, which leaves the qkv + store kernel for it), int8's after rotating k by H
+    (head_dim 16 and 32); plain on the reference backend, PyTorch rotates, stores and attends.
+    Both read the same blocks."""
     def load(fused):
-        tp, backend = TensorParallelGroup.single(), TritonAttentionBackend()
+        tp = TensorParallelGroup.single()
+        backend = TritonAttentionBackend() if fused else ReferenceAttentionBackend()
         return load_model(tiny_models[name], torch.float32, "cpu", tp, backend, fused=fused)
 
     (plain, config), (fused, _) = load(False), load(True)
     ids = prompt(config.vocab_size)
+    assert fmt.rotates_keys(head_dim_of(config)) == (fmt == INT8)  # fp8 keys: unrotated
     want = prefill_then_decode(plain, config, ids, kv_format=fmt)
     got = prefill_then_decode(fused, config, ids, kv_format=fmt)
     for g, w in zip(got, want, strict=True):  # [prefill logits, decode logits]

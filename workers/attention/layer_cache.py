@@ -13,12 +13,17 @@ class LayerKVCache:
         k_scale, v_scale:  (num_blocks, block_size, kv_heads)            float16, or None
 
     Slot s is row s % block_size of block s // block_size in all four, so a block's scales
-    travel with its block id (kvstore/kv_format.py)."""
+    travel with its block id (kvstore/kv_format.py).
+
+    key_rotation (head_dim, head_dim), model dtype, or None: the cache holds keys times this
+    matrix (after rotary), so whoever writes keys or attends over them rotates k and q by it
+    first (workers/attention/key_rotation.py); one tensor shared by every layer."""
 
     k: torch.Tensor
     v: torch.Tensor
     k_scale: torch.Tensor | None = None
     v_scale: torch.Tensor | None = None
+    key_rotation: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if (self.k_scale is None) != (self.v_scale is None):
@@ -26,6 +31,10 @@ class LayerKVCache:
         if self.k_scale is not None and self.k_scale.shape != self.k.shape[:3]:
             raise ValueError(f"scales of shape {tuple(self.k_scale.shape)} do not match a "
                              f"cache of shape {tuple(self.k.shape)}")
+        head_dim = self.k.shape[3]
+        if self.key_rotation is not None and self.key_rotation.shape != (head_dim, head_dim):
+            raise ValueError(f"a key rotation of shape {tuple(self.key_rotation.shape)} does "
+                             f"not fit head_dim {head_dim}")
 
     @property
     def quantized(self) -> bool:

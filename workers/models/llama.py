@@ -25,6 +25,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from transformers import PretrainedConfig
 
+from workers.attention.key_rotation import rotate
 from workers.attention.layer_cache import LayerKVCache
 from workers.attention.metadata import AttentionMetadata
 from workers.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -168,6 +169,8 @@ class LlamaAttention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        # a cache of rotated keys (workers/attention/key_rotation.py): q turns with k
+        q, k = rotate(q, cache.key_rotation), rotate(k, cache.key_rotation)
         out = self.backend.forward(q, k, v, cache, meta, scale=self.scale)
         return self.o_proj(out.flatten(1))  # (T, heads, head_dim) → (T, hidden)
 
@@ -178,12 +181,18 @@ class LlamaAttention(nn.Module):
         row_scale (rows, eps): qkv came from unnormalized rows (see attention_input)."""
         # imported here: models built without the fused kernels must not need Triton
         from workers.layers.attention_input import attention_input
+        from workers.layers.rotated_attention_input import rotated_attention_input
 
         norms = (self.q_norm.weight, self.k_norm.weight) if self.q_norm else (None, None)
-        q = attention_input(qkv, self.qkv_proj.num_local_heads, cos, sin, cache.k, cache.v,
-                            meta.slot_mapping, *norms, eps=self.q_norm.eps if self.q_norm else 0.0,
-                            row_scale=row_scale, k_scale=cache.k_scale,
-                            v_scale=cache.v_scale)  # fmt: skip
+        eps = self.q_norm.eps if self.q_norm else 0.0
+        heads = self.qkv_proj.num_local_heads
+        if cache.key_rotation is not None:  # k is quantized after its rotation: a store apart
+            q = rotated_attention_input(qkv, heads, cos, sin, cache, meta.slot_mapping, *norms,
+                                        eps=eps, row_scale=row_scale)
+        else:
+            q = attention_input(qkv, heads, cos, sin, cache.k, cache.v, meta.slot_mapping,
+                                *norms, eps=eps, row_scale=row_scale, k_scale=cache.k_scale,
+                                v_scale=cache.v_scale)  # fmt: skip
         return self.backend.attend(q, cache, meta, scale=self.scale).flatten(1)
 
 

@@ -35,6 +35,8 @@ def test_prefix_hits_on_quantized_blocks_give_the_recomputed_tokens(tiny_models,
     layer = worker.kv_caches[0]
     assert layer.k.dtype == {"int8": torch.int8, "fp8": torch.float8_e4m3fn}[kv_cache_dtype]
     assert layer.k_scale is not None and layer.k_scale.dtype == torch.float16
+    # int8's blocks hold rotated keys (head_dim 16), fp8's keys as they are
+    assert (layer.key_rotation is not None) == (kv_cache_dtype == "int8")
 
 
 def test_chunked_prefill_and_preemption_on_int8_blocks_change_no_token(tiny_models):
@@ -52,7 +54,9 @@ def test_kv_cache_dtype_reaches_the_workers_and_the_block_hashes(tiny_models):
     # the shard actors of a tensor-parallel replica are built from this WorkerConfig too
     assert worker_config(config, tiny_models["llama"]).kv_cache_dtype == "int8"
     llm = engine(tiny_models, "int8")
-    assert llm.engine.kv_hash_keys[1] == (str(tiny_models["llama"]), "kv_cache_dtype=int8")
+    # the format's key names the keys' rotation: blocks of unrotated int8 never match
+    want = (str(tiny_models["llama"]), "kv_cache_dtype=int8+hadamard-keys")
+    assert llm.engine.kv_hash_keys[1] == want
     assert engine(tiny_models, "auto").engine.kv_hash_keys[1] == (str(tiny_models["llama"]),)
 
 
