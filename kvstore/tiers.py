@@ -204,10 +204,13 @@ class TierManager:
 
     def cancel_load(self, request_id: str) -> None:
         """The sequence is gone (aborted). The workers' copies may still be under way: they
-        are ordered before any later use of those slots and blocks (workers/kv_offload.py)."""
+        are ordered before any later use of those slots and blocks (workers/kv_offload.py);
+        copies not started yet (a load still waiting for files) are dropped."""
         load = self.loads.pop(request_id, None)
         if load is not None:
             self._unpin(load)
+            # a load waiting for its disk reads is dropped by the workers before its copies
+            self.plan.cancelled.append(request_id)
 
     def _unpin(self, load: _Load) -> None:
         for block_hash, tier in load.held():

@@ -3,6 +3,8 @@
 Plain lists of ids, small enough for every step message. The workers do them in this order,
 which is what makes reusing a slot or a block within one step safe::
 
+    cancelled      loads of sequences gone since: their copies not started yet never are
+                   (their device blocks may be handed out again in this very step)
     to_disk        host slot -> file        blocks leaving the host tier, before their slot
                                             is written again below
     stores_first   device block -> host     blocks the GPU pool handed out again in this
@@ -57,6 +59,7 @@ class HostImport:
 
 @dataclass
 class KVTransfers:
+    cancelled: list[str] = field(default_factory=list)  # request ids
     to_disk: list[DiskWrite] = field(default_factory=list)
     stores_first: list[tuple[int, int]] = field(default_factory=list)  # (device block, slot)
     imports: list[HostImport] = field(default_factory=list)
@@ -66,8 +69,8 @@ class KVTransfers:
 
     @property
     def is_empty(self) -> bool:
-        return not (self.to_disk or self.stores_first or self.imports or self.from_disk
-                    or self.loads or self.stores)
+        return not (self.cancelled or self.to_disk or self.stores_first or self.imports
+                    or self.from_disk or self.loads or self.stores)
 
 
 @dataclass

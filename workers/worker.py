@@ -13,6 +13,7 @@ import torch
 from workers.attention.reference import ReferenceAttentionBackend
 from workers.device_stats import DeviceStats, read_device_stats
 from workers.gc_freeze import freeze_start_up_objects
+from workers.host_layout import OffloadInfo, layer_tensors
 from workers.input_batch import (
     DecodeRows,
     VerifyRows,
@@ -23,7 +24,7 @@ from workers.input_batch import (
     to_device,
 )
 from workers.kv_cache import KVCaches, allocate_kv_caches, kv_bytes_per_block, resolve_kv_format
-from workers.kv_offload import KVOffloader, OffloadInfo, layer_tensors
+from workers.kv_offload import KVOffloader
 from workers.layers.parallel import TensorParallelGroup
 from workers.loader import load_model
 from workers.pending import Lookahead, PendingRead, copied_event, to_host

@@ -3,7 +3,7 @@
 from typing import Protocol
 
 from workers.device_stats import DeviceStats
-from workers.kv_offload import OffloadInfo
+from workers.host_layout import OffloadInfo
 from workers.step_input import StepInput, StepOutput
 from workers.worker import Worker, WorkerConfig
 
@@ -40,4 +40,6 @@ class UniExecutor:
         return [stats] if stats is not None else []
 
     def shutdown(self) -> None:
+        if self.worker.offloader is not None:
+            self.worker.offloader.flush()  # the block files still queued
         self.worker.kv_caches = []

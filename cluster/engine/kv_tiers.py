@@ -14,7 +14,7 @@ from kvstore.disk_tier import DiskTier
 from kvstore.host_tier import HostTier
 from kvstore.tiers import TierCounters, TierManager
 from router.kv_pricing import TransferRates
-from workers.kv_offload import OffloadInfo
+from workers.host_layout import OffloadInfo
 
 GIB = 1 << 30
 

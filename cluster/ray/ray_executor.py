@@ -16,7 +16,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from cluster.ray.placement import check_placeable, shard_bundle
 from cluster.ray.shard_actor import SHARD_ACTOR_OPTIONS, Park, ShardActor
 from workers.device_stats import DeviceStats
-from workers.kv_offload import OffloadInfo
+from workers.host_layout import OffloadInfo
 from workers.step_input import StepInput, StepOutput
 from workers.worker import WorkerConfig
 

@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from cluster import environment
 from workers.device_stats import DeviceStats
-from workers.kv_offload import OffloadInfo
+from workers.host_layout import OffloadInfo
 from workers.layers.parallel import TensorParallelGroup
 from workers.step_input import StepInput, StepOutput
 from workers.worker import Worker, WorkerConfig

@@ -10,7 +10,8 @@ from kvstore.block_hash import hash_block_tokens
 from kvstore.transfers import BlockLoad, DiskRead, DiskWrite, KVTransfers
 from tests.workers.gloo_group import gloo_group
 from workers.attention.layer_cache import LayerKVCache
-from workers.kv_offload import STAGE_BLOCKS, BlockLayout, KVOffloader, layer_tensors
+from workers.host_layout import BlockLayout, layer_tensors
+from workers.kv_offload import KVOffloader
 from workers.layers.parallel import TensorParallelGroup
 
 NUM_BLOCKS, BLOCK_SIZE, HEADS, DIM = 8, 4, 2, 8
@@ -44,8 +45,11 @@ def blocks_of(tensors, ids):
 
 
 def step(offloader, transfers):
+    """One step whose block files are all written and read before its report (the disk
+    thread's work is the step's here, to assert on it)."""
     offloader.before_step(transfers, [], [])
     offloader.after_step(transfers)
+    offloader.flush()
     return offloader.report(idle=False)
 
 
@@ -88,8 +92,8 @@ def test_more_blocks_than_a_staging_batch_in_scattered_slots_round_trip_exactly(
     generator = torch.Generator().manual_seed(5)
     tensors = [torch.randn((80, BLOCK_SIZE, HEADS, DIM), generator=generator).to(torch.bfloat16)
                for _ in range(4)]
-    offloader = KVOffloader(tensors, num_slots=48, disk_dir=None, tp=TensorParallelGroup.single())
-    assert STAGE_BLOCKS < 40
+    offloader = KVOffloader(tensors, num_slots=48, disk_dir=None, tp=TensorParallelGroup.single(),
+                            stage_blocks=16)
     blocks = list(range(0, 80, 2))  # 40 blocks, more than one batch
     slots = list(range(40, 48)) + list(range(31, -1, -1))  # runs up, and slots in reverse
     originals = blocks_of(tensors, blocks)

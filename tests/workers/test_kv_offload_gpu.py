@@ -10,7 +10,8 @@ import torch
 from kvstore.block_hash import hash_block_tokens
 from kvstore.transfers import BlockLoad, DiskRead, DiskWrite, KVTransfers
 from workers.attention.layer_cache import LayerKVCache
-from workers.kv_offload import KVOffloader, layer_tensors
+from workers.host_layout import layer_tensors
+from workers.kv_offload import KVOffloader
 from workers.layers.parallel import TensorParallelGroup
 
 SINGLE = TensorParallelGroup.single()

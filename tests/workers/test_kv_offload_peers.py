@@ -9,7 +9,8 @@ import torch
 
 from kvstore.transfers import BlockLoad, HostImport, KVTransfers
 from tests.workers.test_kv_offload import blocks_of, caches, step
-from workers.kv_offload import KVOffloader, layer_tensors
+from workers.host_layout import layer_tensors
+from workers.kv_offload import KVOffloader
 from workers.layers.parallel import TensorParallelGroup
 
 SINGLE = TensorParallelGroup.single()

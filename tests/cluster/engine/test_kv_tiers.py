@@ -117,6 +117,7 @@ def test_a_second_engine_serves_the_first_one_s_prefixes_from_disk_and_refuses_b
         model, expected, tmp_path, caplog):
     first = engine(model, host_kv_cache_gb=gib(16), disk_kv_cache_dir=str(tmp_path))
     assert generate(first) == expected
+    first.engine.executor.worker.offloader.flush()  # its files are written off the step
     disk = first.engine.scheduler.kv.tiers.disk
     on_disk = set(disk.index.entries)
     keys = first.engine.kv_hash_keys[1]
@@ -141,7 +142,7 @@ def test_a_second_engine_serves_the_first_one_s_prefixes_from_disk_and_refuses_b
         return count
 
     second = engine(model, host_kv_cache_gb=gib(16), disk_kv_cache_dir=str(tmp_path))
-    with caplog.at_level(logging.WARNING, logger="workers.kv_offload"):
+    with caplog.at_level(logging.WARNING, logger="workers.disk_io"):
         assert generate(second) == expected
     assert hits(second) == (sum(findable(p) for p in PROMPTS), 0,
                             sum(findable(p) for p in PROMPTS))
