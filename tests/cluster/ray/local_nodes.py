@@ -26,9 +26,11 @@ from pathlib import Path
 import ray
 
 # Token auth would need the same token in every process; these nodes listen on this machine
-# only for the few seconds of a test. A drain on SIGTERM would only slow the stop down.
+# only for the few seconds of a test. A drain on SIGTERM would only slow the stop down. A node
+# (or driver) started with the head waits for its GCS longer than Ray's 20 s: on a busy
+# machine the head takes longer than that to come up.
 ENV = {"RAY_AUTH_MODE": "disabled", "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0",
-       "RAY_USAGE_STATS_ENABLED": "0"}
+       "RAY_USAGE_STATS_ENABLED": "0", "RAY_gcs_server_port_wait_time_s": "180"}
 AUTOSCALER_ENV = {"RAY_FAKE_CLUSTER": "1", "AUTOSCALER_UPDATE_INTERVAL_S": "1"}
 
 
@@ -63,7 +65,8 @@ def fake_autoscaling_config(head_cpus: int, worker_types: dict, gcs_address: str
 
 
 class LocalNodes:
-    """``start_head`` first, then ``add_node`` for each more; ``stop`` at the end."""
+    """``start_head`` first, then ``add_node`` for each more (they need not wait for the head:
+    they join it once it is up); ``stop`` at the end. A driver joins with ``connect``."""
 
     def __init__(self) -> None:
         # short: Ray's socket paths under it must stay within the OS's 107 characters
@@ -102,6 +105,11 @@ class LocalNodes:
         self._ray_start([f"--address={self.address}", f"--node-ip-address={self.ip}",
                          f"--num-cpus={num_cpus}", f"--resources={json.dumps(resources)}"],
                         {}, f"node-{len(self.processes)}.log")
+
+    def connect(self) -> None:
+        """This process as a driver of the cluster, once its head is up."""
+        os.environ.update(ENV)
+        ray.init(address=self.address, log_to_driver=False)
 
     def _leftovers(self) -> list[int]:
         """Processes still running in this cluster's temp dir: a node the fake autoscaler had
