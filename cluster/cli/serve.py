@@ -73,6 +73,9 @@ FLAGS: dict[str, tuple[tuple[str, ...], type, str]] = {
                          "(default: 30)"),
     "health_check_period": (("--health-check-period",), float,
                             "seconds between pings of every replica and shard (default: 1)"),
+    "replica_start_timeout": (("--replica-start-timeout",), float,
+                              "seconds an engine replica may take to come up (a node for its "
+                              "shards, its weights), then an error (default: 600)"),
     "drain_timeout": (("--drain-timeout",), float,
                       "on SIGTERM or Ctrl-C, seconds in-flight requests get to finish "
                       "(default: 30)"),

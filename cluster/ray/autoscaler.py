@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 import ray
 
 from cluster.engine.metrics import TTFT_BUCKETS
+from cluster.ray.replica_start import late_message, overdue
 from router.autoscale import (
     AutoscalingPolicy,
     ReplicaSignals,
@@ -62,6 +63,7 @@ class ReplicaAutoscaler:
         self.scaling_clock = ScalingClock()
         self.windows: dict[int, HistogramWindow] = {}  # TTFT counts per replica
         self.starting: dict[int, ray.ObjectRef] = {}  # index -> its info(), ready when built
+        self.started_at: dict[int, float] = {}  # index -> when it was started
         self.draining: dict[int, float] = {}  # index -> when its drain began
         self.last: ScalingDecision | None = None
         self.history: list[Action] = []
@@ -92,7 +94,7 @@ class ReplicaAutoscaler:
     def tick(self) -> ScalingDecision | None:
         """One sample and decision; None when a replica did not answer (nothing decided)."""
         now = self.clock()
-        self._poll_starting()
+        self._poll_starting(now)
         self._poll_draining(now)
         # the owner's list is the truth; a router restarted since gets its slots back
         ray.get(self.cluster.router.sync_replicas.remote(self.cluster.replica_handles()))
@@ -105,7 +107,7 @@ class ReplicaAutoscaler:
         self.scaling_clock, self.last = decision.clock, decision
         if decision.delta > 0:
             index, ready = self.cluster.start_replica()
-            self.starting[index] = ready
+            self.starting[index], self.started_at[index] = ready, now
             self._record(decision, index, len(serving), 0)
         elif decision.delta < 0:
             loads = ray.get(self.cluster.router.get_loads.remote())
@@ -141,12 +143,17 @@ class ReplicaAutoscaler:
                                           sample.kv_usage, window.quantile(0.9)))
         return signals
 
-    def _poll_starting(self) -> None:
+    def _poll_starting(self, now: float) -> None:
+        timeout_s = self.cluster.policy.replica_start_timeout_s
         for index, ready in list(self.starting.items()):
             done, _ = ray.wait([ready], timeout=0)
-            if not done:
+            if not done and not overdue(self.started_at[index], now, timeout_s):
                 continue  # its placement group may be waiting for a node
-            del self.starting[index]
+            del self.starting[index], self.started_at[index]
+            if not done:  # killing it takes its pending placement group away too
+                log.error("autoscaler: %s; removing it", late_message([index], timeout_s))
+                self.cluster.remove_replica(index, started=False)
+                continue
             try:
                 ray.get(ready)
                 log.info("autoscaler: replica %d is serving", index)

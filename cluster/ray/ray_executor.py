@@ -10,6 +10,7 @@ import contextlib
 
 import ray
 from ray.dag import InputNode, MultiOutputNode
+from ray.util import placement_group_table
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -145,6 +146,11 @@ class RayExecutor:
 
     def shard_pids(self) -> list[int]:
         return self._all(lambda actor: actor.pid.remote())
+
+    def shard_nodes(self) -> list[str]:
+        """The Ray node id of each shard, rank 0 first: where its placement group put it."""
+        nodes = placement_group_table(self.placement_group)["bundles_to_node_id"]
+        return [nodes[rank] for rank in range(len(self.actors))]
 
     def shutdown(self) -> None:
         if self.parked is not None:  # else teardown waits for loops that wait for us

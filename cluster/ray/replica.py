@@ -352,6 +352,10 @@ class ReplicaActor:
         executor = self._engine().executor
         return await asyncio.to_thread(executor.shard_pids)  # type: ignore[attr-defined]
 
+    async def shard_nodes(self) -> list[str]:
+        """The Ray node of each of its shards, rank 0 first."""
+        return self._engine().executor.shard_nodes()  # type: ignore[attr-defined]
+
     async def shutdown(self) -> None:
         if self.engine is not None:
             await asyncio.to_thread(self.engine.shutdown)

@@ -15,11 +15,15 @@ class ServingPolicy:
     failover_timeout_s: float = 30.0
     health_check_period_s: float = 1.0  # every replica and its shards are pinged this often
     health_check_timeout_s: float = 10.0  # a ping not answered in this long counts as down
+    # a replica not up this long after it started (no node for its shards, a shard stuck)
+    # fails with ReplicaStartTimeout instead of hanging (cluster/ray/replica_start.py)
+    replica_start_timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
         if self.retry_after_s < 1:
             raise ValueError(f"retry_after_s must be at least 1, got {self.retry_after_s}")
-        for name in ("failover_timeout_s", "health_check_period_s", "health_check_timeout_s"):
+        for name in ("failover_timeout_s", "health_check_period_s", "health_check_timeout_s",
+                     "replica_start_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
 

@@ -37,6 +37,7 @@ from cluster.ray.placement import check_placeable, shard_bundle
 from cluster.ray.refusals import Draining, Overloaded, Unavailable
 from cluster.ray.replica import REPLICA_ACTOR_OPTIONS, ReplicaActor
 from cluster.ray.replica_monitor import MONITOR_ACTOR_OPTIONS, ReplicaMonitor
+from cluster.ray.replica_start import ReplicaStartTimeout, wait_for_replicas
 from cluster.ray.replica_streams import ReplicaStream
 from cluster.ray.router_actor import ROUTER_ACTOR_OPTIONS, RouterActor
 from cluster.ray.serving_policy import ServingPolicy
@@ -104,7 +105,7 @@ class TandemCluster:
                 config, index, self.router)
             for index in range(num_replicas)
         ]
-        infos = ray.get([replica.info.remote() for replica in self.replicas])
+        infos = self._wait_for_replicas(policy.replica_start_timeout_s)
         self.model_path = resolve_model(str(infos[0]["model_path"]), config.cache_dir)
         self.max_model_len = min(int(info["max_model_len"]) for info in infos)  # type: ignore[call-overload]
         self.kv_hash_keys = infos[0]["kv_hash_keys"]
@@ -129,6 +130,18 @@ class TandemCluster:
                               measured[0].block_bytes, measure_pull_bandwidth(self.router))
         ray.get(self.router.set_rates.remote(rates))
 
+    def _wait_for_replicas(self, timeout_s: float) -> list:
+        """Every replica's info once it is up; past the start timeout the actors started so far
+        are stopped (their pending placement groups go with them) and the error raised."""
+        try:
+            return wait_for_replicas({index: replica.info.remote()
+                                      for index, replica in enumerate(self.replicas)},
+                                     timeout_s)
+        except ReplicaStartTimeout:
+            for actor in [*self.replicas, self.router]:
+                ray.kill(actor)
+            raise
+
     def handles(self) -> ClusterHandles:
         return ClusterHandles(list(self.replicas), self.router, str(self.model_path),
                               self.max_model_len, self.kv_hash_keys, self.monitor, self.policy)
@@ -152,13 +165,16 @@ class TandemCluster:
     def replica_handles(self) -> dict[int, object]:
         return {index: r for index, r in enumerate(self.replicas) if r is not None}
 
-    def remove_replica(self, index: int, timeout_s: float = 60.0) -> None:
-        """Stops a replica (drained first: see ``ReplicaAutoscaler``) and forgets it."""
+    def remove_replica(self, index: int, timeout_s: float = 60.0, started: bool = True) -> None:
+        """Stops a replica (drained first: see ``ReplicaAutoscaler``) and forgets it.
+        ``started`` False: one that never came up is killed, not asked (it would answer only
+        once its engine is built)."""
         replica, self.replicas[index] = self.replicas[index], None
         ray.get(self.router.remove_replica.remote(index))
         ray.get(self.monitor.set_replicas.remote(list(self.replicas)))
         try:
-            ray.get(replica.shutdown.remote(), timeout=timeout_s)  # its shards and their group
+            if started:
+                ray.get(replica.shutdown.remote(), timeout=timeout_s)  # its shards and group
         except (ray.exceptions.RayError, TimeoutError) as error:
             log.warning("replica %d did not shut down cleanly: %r", index, error)
         ray.kill(replica)

@@ -52,6 +52,10 @@ class ServeConfig(BaseModel):
                                     "was lost keeps looking for one to continue on (then 503).")
     health_check_period: float = Field(1.0, gt=0, description="Seconds between pings of every "
                                        "replica and its shards.")
+    replica_start_timeout: float = Field(600.0, gt=0, description="Seconds an engine replica "
+                                         "may take to come up (a node for its shards, the "
+                                         "weights loaded) before it fails with an error "
+                                         "saying so.")
     drain_timeout: float = Field(30.0, ge=0, description="On SIGTERM or Ctrl-C, seconds the "
                                  "requests in flight get to finish (`tandem serve`).")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
@@ -167,7 +171,8 @@ class ServeConfig(BaseModel):
             max_waiting_requests=self.max_waiting_requests,
             max_waiting_tokens=self.max_waiting_tokens, retry_after_s=self.retry_after,
             failover_timeout_s=self.failover_timeout,
-            health_check_period_s=self.health_check_period)
+            health_check_period_s=self.health_check_period,
+            replica_start_timeout_s=self.replica_start_timeout)
 
     def curl_example(self) -> str:
         auth = f" -H 'Authorization: Bearer {self.api_key}'" if self.api_key else ""

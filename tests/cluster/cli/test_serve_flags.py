@@ -142,13 +142,13 @@ def test_the_overload_and_fault_flags_reach_the_serving_policy():
     config = config_of("--max-waiting-requests", "8", "--max-waiting-tokens", "4096",
                        "--retry-after", "5", "--failover-timeout", "12",
                        "--health-check-period", "0.5", "--request-timeout", "60",
-                       "--drain-timeout", "10")
+                       "--drain-timeout", "10", "--replica-start-timeout", "90")
     assert config.serving_policy() == ServingPolicy(
         max_waiting_requests=8, max_waiting_tokens=4096, retry_after_s=5,
-        failover_timeout_s=12.0, health_check_period_s=0.5)
+        failover_timeout_s=12.0, health_check_period_s=0.5, replica_start_timeout_s=90.0)
     assert (config.request_timeout, config.drain_timeout) == (60.0, 10.0)
     defaults = config_of()
-    assert defaults.serving_policy() == ServingPolicy()  # no limits, 2 s, 30 s, 1 s
+    assert defaults.serving_policy() == ServingPolicy()  # no limits, 2 s, 30 s, 1 s, 600 s
     assert (defaults.request_timeout, defaults.drain_timeout) == (0.0, 30.0)
     with pytest.raises(ValueError, match="--retry-after: Input should be greater than or "
                                          "equal to 1"):

@@ -62,6 +62,11 @@ def test_load_adds_a_replica_and_a_lighter_load_drains_it_away(ray_session, tiny
     def loads():
         return [load.num_requests for load in ray.get(cluster.router.stats.remote()).loads]
 
+    def running():
+        handles = cluster.replica_handles()
+        return [ray.get(handles[i].load_sample.remote()).running_seqs
+                for i in autoscaler.serving()]
+
     async def tick(seconds=0.0):
         clock.now += seconds
         return await asyncio.to_thread(autoscaler.tick)
@@ -75,20 +80,23 @@ def test_load_adds_a_replica_and_a_lighter_load_drains_it_away(ray_session, tiny
     async def scenario():
         # a load step: 12 long requests on the one replica
         step = [asyncio.create_task(complete(cluster, f"step-{i}", 300)) for i in range(12)]
-        await until(lambda: loads() == [12])
+        # placed by the router, then run by the engine: what the autoscaler samples
+        await until(lambda: loads() == [12] and running() == [12])
         assert (await tick()).reason == "waiting_to_scale_up"
         assert (await tick(1.0)).reason == "over_target"
         # the new replica's shard asks for a group of its own (here there is room for it)
         await until(lambda: created_groups() == groups_before + 2)
-        while autoscaler.starting:  # its engine is being built; nothing else is decided
-            assert (await tick(1.0)).reason in ("starting", "within_band", "waiting_to_scale_down")
+        # its engine is being built; nothing else is decided (the fake clock stands still:
+        # ticks faster than real time would run out its start timeout on a busy machine)
+        while autoscaler.starting:
+            assert (await tick()).reason in ("starting", "within_band", "waiting_to_scale_down")
             await asyncio.sleep(0.1)
         assert [(a.delta, a.replica) for a in autoscaler.history] == [(1, 1)]
         outputs = await asyncio.gather(*step)
         # the lighter load, through the view: one request each (least-loaded: the second goes
         # where the first did not), and the new replica serves its share
         light = [asyncio.create_task(complete(view, f"light-{i}", 400)) for i in range(2)]
-        await until(lambda: loads() == [1, 1])
+        await until(lambda: loads() == [1, 1] and running() == [1, 1])
         assert (await tick()).reason == "waiting_to_scale_down"
         drained = await tick(5.0)
         assert (drained.delta, drained.reason) == (-1, "under_target")

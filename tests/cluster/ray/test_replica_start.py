@@ -1,0 +1,96 @@
+"""A replica whose shards find no room fails after the start timeout, with an error that says
+so, instead of hanging; its pending placement group goes with it.
+
+The session's Ray has the CPUs, but a placement group of the test holds every free one, so a
+replica's group is feasible and pending: what a cluster waiting for a node that never comes
+looks like.
+"""
+
+import time
+
+import pytest
+import ray
+from ray.util import placement_group_table
+from ray.util.placement_group import placement_group, remove_placement_group
+
+from cluster import EngineConfig
+from cluster.ray.replica_start import ReplicaStartTimeout
+from cluster.ray.serving_policy import ServingPolicy
+from cluster.ray.tandem_cluster import TandemCluster
+from router.autoscale import AutoscalingPolicy
+
+pytestmark = pytest.mark.ray
+
+
+def pending_groups() -> int:
+    return sum(g["state"] == "PENDING" for g in placement_group_table().values())
+
+
+def until(condition, seconds=20.0):
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+
+
+def hold_free_cpus():
+    """A group of the test holding every CPU nobody uses now (None when none is free)."""
+    free = ray.available_resources().get("CPU", 0.0)
+    if free <= 0:
+        return None
+    group = placement_group([{"CPU": free}])
+    ray.get(group.ready(), timeout=30)
+    return group
+
+
+def config(tiny_models):
+    return EngineConfig(model=str(tiny_models["llama"]), device="cpu", block_size=4,
+                        num_kv_blocks=64)
+
+
+def test_a_replica_without_room_fails_at_start_up_after_the_timeout(ray_session, tiny_models):
+    holder = hold_free_cpus()
+    try:
+        started = time.monotonic()
+        with pytest.raises(ReplicaStartTimeout) as error:
+            TandemCluster(config(tiny_models), num_replicas=1,
+                          policy=ServingPolicy(replica_start_timeout_s=1.5))
+        assert 1.5 <= time.monotonic() - started < 15
+        assert str(error.value) == (
+            "replica 0 did not come up within 1.5 s: its shards' placement group found no "
+            "node with room, or a shard did not start (a pending group is shown by `ray "
+            "status`); raise replica_start_timeout (--replica-start-timeout) if nodes take "
+            "longer to arrive")
+        # the replica was killed, and its pending group with it
+        until(lambda: pending_groups() == 0)
+    finally:
+        if holder is not None:
+            remove_placement_group(holder)
+
+
+def test_the_autoscaler_removes_a_replica_that_does_not_start_in_time(ray_session, tiny_models):
+    scaling = AutoscalingPolicy(min_replicas=2, max_replicas=2, interval_s=3600)
+    # the default timeout, 600 s: the autoscaler's clock is the test's
+    cluster = TandemCluster(config(tiny_models), num_replicas=1, autoscaling=scaling)
+    autoscaler, now = cluster.autoscaler, [0.0]
+    assert autoscaler is not None
+    autoscaler.clock = lambda: now[0]
+    holder = hold_free_cpus()
+    try:
+        assert autoscaler.tick().reason == "below_min"  # replica 1, whose group waits
+        until(lambda: pending_groups() == 1)
+        now[0] = 600.0  # not past its time yet
+        assert autoscaler.tick().reason == "starting"
+        assert autoscaler.starting.keys() == {1}
+        now[0] = 600.5
+        # removed at this tick; one replica is below the minimum, so another is started
+        assert autoscaler.tick().reason == "below_min"
+        assert [(a.delta, a.replica) for a in autoscaler.history] == [(1, 1), (1, 2)]
+        assert cluster.replica_handles().keys() == {0, 2}
+        assert ray.get(cluster.router.stats.remote()).removed == frozenset({1})
+        until(lambda: pending_groups() == 1)  # replica 2's; replica 1's went with it
+    finally:
+        cluster.shutdown()
+        if holder is not None:
+            remove_placement_group(holder)
+    until(lambda: pending_groups() == 0)
