@@ -26,7 +26,7 @@ MAY_IMPORT = {
 # the imports against the arrows: the engine starts the Ray executor when tensor parallel
 # (lazily, inside make_executor), so that LLM(..., tensor_parallel_size=2) works offline, and
 # the draft actor for speculative_config placement "actor" (lazily, inside _draft_actor)
-ALLOWED = {("cluster/engine/llm_engine.py", "cluster.ray.ray_executor"),
+ALLOWED = {("cluster/engine/engine_setup.py", "cluster.ray.ray_executor"),
            ("cluster/engine/llm_engine.py", "cluster.ray.draft_actor"),
            ("cluster/engine/llm_engine.py", "cluster.ray.draft_actor.draft_actor")}
 # the edges that may call cluster/environment.py (it alone touches os.environ); the shard

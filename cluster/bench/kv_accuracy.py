@@ -33,7 +33,7 @@ from workers.catalog import resolve_model
 from workers.kv_cache import allocate_kv_caches, dtype_name, resolve_kv_format
 from workers.layers.parallel import TensorParallelGroup
 from workers.loader import load_model
-from workers.worker import DTYPES, make_attention_backend
+from workers.worker_config import DTYPES, make_attention_backend
 
 RANDOM_TEXT_TOKENS = 200  # per text, for a model without a tokenizer
 

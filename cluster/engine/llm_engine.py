@@ -13,20 +13,17 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from transformers import PretrainedConfig
-
 from cluster.engine.config import EngineConfig
-from cluster.engine.executor import Executor, UniExecutor
+from cluster.engine.engine_setup import check_draft_model, make_executor
+from cluster.engine.executor import Executor
 from cluster.engine.kv_events import KVEventPublisher
 from cluster.engine.kv_tiers import (
     TierTraffic,
-    host_bytes_per_shard,
     make_rates,
     make_tiers,
 )
 from cluster.engine.metrics import EngineMetrics, LoadSample, MetricsSnapshot
 from cluster.engine.output_processor import (
-    CompletionTracker,
     RequestTracker,
     add_token,
     finish_completion,
@@ -39,6 +36,7 @@ from cluster.engine.outputs import (
     RequestOutput,
     part_ids,
 )
+from cluster.engine.request_metrics import record_finish, record_tokens
 from cluster.engine.resume import Resume, prime, resumed_sequence
 from cluster.engine.speculation import DraftActorProposer, Speculator
 from cluster.engine.step_builder import StepBuilder
@@ -61,53 +59,10 @@ from workers.gc_freeze import freeze_start_up_objects, unfreeze
 from workers.loader import load_config
 from workers.models.llama import check_tensor_parallel
 from workers.spec.config import SpeculativeConfig
-from workers.worker import WorkerConfig
 
 log = logging.getLogger(__name__)
 
 Prompt = str | list[int]
-
-
-def worker_config(config: EngineConfig, folder: Path) -> WorkerConfig:
-    speculation = config.speculation
-    draft = None  # a draft model in the worker; placement "actor" keeps it out
-    if speculation is not None and speculation.model is not None \
-            and speculation.placement == "worker":
-        draft = str(resolve_model(speculation.model, config.cache_dir))
-    return WorkerConfig(
-        model_path=str(folder), device=config.resolved_device, dtype=config.dtype,
-        block_size=config.block_size, kv_cache_dtype=config.kv_cache_dtype,
-        attention_backend=config.attention_backend,
-        cpu_kv_cache_bytes=int(config.cpu_kv_cache_gb * (1 << 30)),
-        gpu_memory_utilization=config.gpu_memory_utilization,
-        max_num_batched_tokens=config.max_num_batched_tokens, seed=config.seed,
-        max_num_seqs=config.max_num_seqs, enforce_eager=config.enforce_eager,
-        symmetric_all_reduce=config.symmetric_all_reduce, max_model_len=config.max_model_len,
-        peer_sum_kernel=config.peer_sum_kernel, cpu_threads=config.cpu_threads,
-        gpu_fraction=config.gpu_fraction, draft_model_path=draft,
-        num_speculative_tokens=speculation.num_speculative_tokens if draft else 0,
-        host_kv_cache_bytes=host_bytes_per_shard(config),
-        disk_kv_cache_dir=config.disk_kv_cache_dir,
-    )
-
-
-def make_executor(config: EngineConfig, folder: Path) -> Executor:
-    if config.executor_backend == "ray":
-        from cluster.ray.ray_executor import RayExecutor
-
-        return RayExecutor(worker_config(config, folder), config.tensor_parallel_size)
-    return UniExecutor(worker_config(config, folder))
-
-
-def check_draft_model(folder: Path, target: PretrainedConfig) -> None:
-    """A draft must speak the target's tokens: the same vocabulary and token ids."""
-    draft = load_config(folder)
-    if draft.vocab_size != target.vocab_size:
-        raise ValueError(f"the draft model's vocabulary ({draft.vocab_size} tokens) differs from "
-                         f"the target's ({target.vocab_size}): it must share the tokenizer")
-    if getattr(draft, "eos_token_id", None) != getattr(target, "eos_token_id", None):
-        raise ValueError(f"the draft model's eos_token_id ({draft.eos_token_id}) differs from "
-                         f"the target's ({target.eos_token_id}): it must share the tokenizer")
 
 
 class LLMEngine:
@@ -352,10 +307,10 @@ class LLMEngine:
                     else:  # finished by length or EOS on a token at or after the stop string
                         seq.finish(FinishReason.STOP, stop_reason=stop)
                     break
-                self._record_tokens(tracker, completion, seq, now, num_output, len(kept))
+                record_tokens(self.metrics, tracker, completion, seq, now, num_output, len(kept))
                 if seq_id in finished:
                     finish_completion(completion, finished[seq_id])
-                    self._record_finish(tracker, finished[seq_id], now)
+                    record_finish(self.metrics, tracker, finished[seq_id], now)
             except Exception as error:
                 self._fail(tracker, "turning its tokens into text", error)
         if self.speculator is not None:
@@ -384,38 +339,6 @@ class LLMEngine:
         for tracker in trackers:
             if tracker.finished:
                 self._drop(tracker.request_id)
-
-    def _record_tokens(self, tracker: RequestTracker, completion: CompletionTracker,
-                       seq: Sequence, now: float, count: int, num_sampled: int) -> None:
-        """Metrics of ``count`` new output tokens of one completion, the first ``count`` of
-        the ``num_sampled`` its call returned: a call of k decode steps spreads its time over
-        its k tokens for the inter-token latency, as if they had come one at a time."""
-        if not count:
-            return
-        self.metrics.generation_tokens += count
-        last = completion.last_token_time
-        if last is None:  # the first token: time to first token and queue time
-            last = completion.last_token_time = now
-            count -= 1
-            if tracker.metrics.first_token_time is None:
-                tracker.metrics.first_token_time = now
-                arrival = tracker.metrics.arrival_time
-                scheduled = seq.first_scheduled_time or arrival
-                self.metrics.on_first_token(len(tracker.prompt_token_ids), now - arrival,
-                                            scheduled - arrival)
-        if count:
-            gap = (now - last) / num_sampled
-            self.metrics.inter_token_latency.observe(gap, times=count)
-            completion.last_token_time = last + gap * count
-
-    def _record_finish(self, tracker: RequestTracker, seq: Sequence, now: float) -> None:
-        tracker.metrics.num_cached_tokens = max(seq.num_cached_tokens, 0)
-        tracker.metrics.num_preemptions += seq.num_preemptions
-        if tracker.finished:
-            tracker.metrics.finished_time = now
-            reason = next(iter(tracker.completions.values())).output.finish_reason or "abort"
-            generated = sum(len(c.output.token_ids) for c in tracker.completions.values())
-            self.metrics.on_finish(reason, now - tracker.metrics.arrival_time, generated)
 
     def _drop(self, request_id: str) -> None:
         tracker = self.requests.pop(request_id)

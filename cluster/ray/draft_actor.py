@@ -22,7 +22,7 @@ class DraftActor:
                  num_drafts: int, attention_backend: str) -> None:
         import torch
 
-        from workers.worker import DTYPES, make_attention_backend
+        from workers.worker_config import DTYPES, make_attention_backend
 
         self.folder, self.block_size, self.num_drafts = folder, block_size, num_drafts
         self.device = torch.device(device)

@@ -5,7 +5,7 @@ import pytest
 
 from cluster import environment
 from cluster.engine.config import EngineConfig
-from cluster.engine.llm_engine import worker_config
+from cluster.engine.engine_setup import worker_config
 
 
 def test_the_peer_memory_kernel_is_chosen_by_argument_or_environment(monkeypatch):

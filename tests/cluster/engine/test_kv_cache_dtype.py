@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from cluster import LLM, EngineConfig, SamplingParams
-from cluster.engine.llm_engine import worker_config
+from cluster.engine.engine_setup import worker_config
 
 PREFIX = list(range(40, 73))  # 33 tokens: 8 full blocks of 4 shared, one token past them
 PROMPTS = [PREFIX + [5, 6, 7], PREFIX + [900, 3], PREFIX + [11, 12, 13, 14, 15]]

@@ -10,7 +10,8 @@ from pathlib import Path
 import torch
 
 from cluster.engine.config import EngineConfig
-from cluster.engine.llm_engine import LLMEngine, worker_config
+from cluster.engine.engine_setup import worker_config
+from cluster.engine.llm_engine import LLMEngine
 from tests.cluster.engine.gloo_executor import GlooExecutor, follow, spawn_ranks
 from tests.workers.gloo_group import gloo_group
 from workers.worker import Worker

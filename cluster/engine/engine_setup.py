@@ -1,0 +1,54 @@
+"""What an engine is built from: its workers' config, its executor, a draft model's check."""
+
+from pathlib import Path
+
+from transformers import PretrainedConfig
+
+from cluster.engine.config import EngineConfig
+from cluster.engine.executor import Executor, UniExecutor
+from cluster.engine.kv_tiers import host_bytes_per_shard
+from workers.catalog import resolve_model
+from workers.loader import load_config
+from workers.worker import WorkerConfig
+
+
+def worker_config(config: EngineConfig, folder: Path) -> WorkerConfig:
+    speculation = config.speculation
+    draft = None  # a draft model in the worker; placement "actor" keeps it out
+    if speculation is not None and speculation.model is not None \
+            and speculation.placement == "worker":
+        draft = str(resolve_model(speculation.model, config.cache_dir))
+    return WorkerConfig(
+        model_path=str(folder), device=config.resolved_device, dtype=config.dtype,
+        block_size=config.block_size, kv_cache_dtype=config.kv_cache_dtype,
+        attention_backend=config.attention_backend,
+        cpu_kv_cache_bytes=int(config.cpu_kv_cache_gb * (1 << 30)),
+        gpu_memory_utilization=config.gpu_memory_utilization,
+        max_num_batched_tokens=config.max_num_batched_tokens, seed=config.seed,
+        max_num_seqs=config.max_num_seqs, enforce_eager=config.enforce_eager,
+        symmetric_all_reduce=config.symmetric_all_reduce, max_model_len=config.max_model_len,
+        peer_sum_kernel=config.peer_sum_kernel, cpu_threads=config.cpu_threads,
+        gpu_fraction=config.gpu_fraction, draft_model_path=draft,
+        num_speculative_tokens=speculation.num_speculative_tokens if draft else 0,
+        host_kv_cache_bytes=host_bytes_per_shard(config),
+        disk_kv_cache_dir=config.disk_kv_cache_dir,
+    )
+
+
+def make_executor(config: EngineConfig, folder: Path) -> Executor:
+    if config.executor_backend == "ray":
+        from cluster.ray.ray_executor import RayExecutor
+
+        return RayExecutor(worker_config(config, folder), config.tensor_parallel_size)
+    return UniExecutor(worker_config(config, folder))
+
+
+def check_draft_model(folder: Path, target: PretrainedConfig) -> None:
+    """A draft must speak the target's tokens: the same vocabulary and token ids."""
+    draft = load_config(folder)
+    if draft.vocab_size != target.vocab_size:
+        raise ValueError(f"the draft model's vocabulary ({draft.vocab_size} tokens) differs from "
+                         f"the target's ({target.vocab_size}): it must share the tokenizer")
+    if getattr(draft, "eos_token_id", None) != getattr(target, "eos_token_id", None):
+        raise ValueError(f"the draft model's eos_token_id ({draft.eos_token_id}) differs from "
+                         f"the target's ({target.eos_token_id}): it must share the tokenizer")
