@@ -26,6 +26,7 @@ class WorkerConfig:
     peer_sum_kernel: str = "push"  # the kernel of those sums: push | one_shot
     cpu_threads: int = 1  # torch threads of a CPU shard in its own actor
     gpu_fraction: float = 1.0  # the share of its GPU a shard actor asks Ray for
+    cpu_shard_cpus: float = 0.25  # the CPUs a CPU shard actor asks Ray for
     seed: int = 0
     max_model_len: int | None = None  # the longest sequence; None: the model's own length
     draft_model_path: str | None = None  # speculative decoding's draft model, beside the target

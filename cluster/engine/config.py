@@ -81,6 +81,8 @@ class EngineConfig:
                                            "takes for weights, activations and the KV cache")
     gpu_fraction: float = option(1.0, "share of a GPU each shard asks Ray for: 0.5 puts two "
                                  "replicas on one GPU (give each half the memory too)")
+    cpu_shard_cpus: float = option(0.25, "CPUs each CPU shard asks Ray for: a quarter lets "
+                                   "TP=8 fit two cores (shards mostly wait for each other)")
     tensor_parallel_size: int = option(1, "shards per replica (Ray actors; NCCL on GPUs, gloo on "
                                        "the CPU)")
     distributed_executor_backend: str = option("auto", "`ray` when tensor parallel, else `uni` "
@@ -142,6 +144,8 @@ class EngineConfig:
              f"with enable_chunked_prefill=False, max_model_len ({self.max_model_len}) must be "
              f"at most max_num_batched_tokens ({self.max_num_batched_tokens}): a sequence is "
              "prefilled in one step"),
+            (self.cpu_shard_cpus > 0,
+             f"cpu_shard_cpus must be above 0, got {self.cpu_shard_cpus}"),
             (0 < self.gpu_fraction <= 1,
              f"gpu_fraction must be in (0, 1], got {self.gpu_fraction}"),
             (self.gpu_fraction == 1 or self.tensor_parallel_size == 1,

@@ -19,9 +19,10 @@ class PlacementInfeasible(ValueError):
     """No node of the cluster, and none its autoscaler can add, holds a replica's shards."""
 
 
-def shard_bundle(on_gpu: bool, gpu_fraction: float) -> dict[str, float]:
+def shard_bundle(on_gpu: bool, gpu_fraction: float,
+                 cpu_shard_cpus: float = CPU_SHARD_CPUS) -> dict[str, float]:
     """One shard's bundle of the replica's placement group."""
-    return {"GPU": gpu_fraction, "CPU": 1.0} if on_gpu else {"CPU": CPU_SHARD_CPUS}
+    return {"GPU": gpu_fraction, "CPU": 1.0} if on_gpu else {"CPU": cpu_shard_cpus}
 
 
 def cluster_nodes() -> list[dict[str, float]]:

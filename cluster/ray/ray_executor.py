@@ -33,7 +33,7 @@ class RayExecutor:
         on_gpu = config.device.startswith("cuda")
         if on_gpu:  # each actor runs on its own GPU, the current CUDA device it picks
             config = WorkerConfig(**{**config.__dict__, "device": "cuda"})
-        bundle = shard_bundle(on_gpu, config.gpu_fraction)
+        bundle = shard_bundle(on_gpu, config.gpu_fraction, config.cpu_shard_cpus)
         # a group no node can hold would wait for ever: refuse it now, saying why
         check_placeable(bundle, tensor_parallel_size)
         # STRICT_PACK: every shard of one replica on one node, where NVLink joins the GPUs

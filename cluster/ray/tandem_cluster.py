@@ -92,7 +92,7 @@ class TandemCluster:
         resolve_model(config.model, config.cache_dir)
         # every replica is a placement group of its own: refuse at once what no node can hold
         check_placeable(shard_bundle(config.resolved_device.startswith("cuda"),
-                                     config.gpu_fraction),
+                                     config.gpu_fraction, config.cpu_shard_cpus),
                         config.tensor_parallel_size, num_replicas)
         self.config = config
         self.policy = policy = policy or ServingPolicy()

@@ -5,7 +5,7 @@ tests/cluster/ray/test_nodes.py, which asserts what this writes:
     python -m tests.cluster.ray.nodes_scenario MODEL_FOLDER REPORT.json
 
 The head has one CPU and runs Ray's fake autoscaler, whose one node type is a fake GPU node of
-one CPU; each replica's shard takes a CPU.
+one CPU; each replica's shard takes a CPU (cpu_shard_cpus=1).
 
 1. Two nodes: `ray start --address` adds a node of one CPU; two replicas, one shard on each
    node, answer through one cluster handle (one router).
@@ -144,7 +144,8 @@ def timed(report: dict, name: str, since: float) -> float:
 
 
 def main(model: str, out: str) -> None:
-    config = EngineConfig(model=model, device="cpu", block_size=4, num_kv_blocks=1024)
+    config = EngineConfig(model=model, device="cpu", block_size=4, num_kv_blocks=1024,
+                          cpu_shard_cpus=1.0)
     report: dict = {"seconds": {}, "outputs": {}}
     nodes = LocalNodes()
     start = time.monotonic()

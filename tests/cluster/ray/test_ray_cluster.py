@@ -13,6 +13,7 @@ from cluster import LLM, EngineConfig, SamplingParams
 from cluster.bench.process_cpu import cpu_seconds
 from cluster.ray.replica import PARK_AFTER_S
 from cluster.ray.tandem_cluster import TandemCluster
+from router.placement import Decision
 
 pytestmark = pytest.mark.ray
 
@@ -262,7 +263,7 @@ class BurstReplica:
 class OneReplicaRouter:
     async def assign(self, request_id, block_hashes, num_prompt_tokens, block_size, exclude=(),
                      resumed=False):
-        return 0
+        return Decision(0, "round_robin")
 
     async def first_token(self, request_id):
         return None
