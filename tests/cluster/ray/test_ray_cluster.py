@@ -245,7 +245,7 @@ class BurstReplica:
             yield await queue.get()
 
     async def submit(self, request_id, prompt_ids, params, consumer_id, resume=None,
-                     wait_s=None):
+                     wait_s=None, pull=None):
         queue = self.queues.setdefault(consumer_id, asyncio.Queue())
 
         async def produce():
