@@ -136,15 +136,21 @@ def test_attention_over_quantized_blocks_is_near_the_unquantized(dtype, toleranc
     assert 0 < (got - exact).norm() / exact.norm() <= tolerance
 
 
-@pytest.mark.parametrize("dtype", QUANTIZED)
-@pytest.mark.parametrize("qk_norm", [True, False])
-def test_attention_input_quantizes_each_head_as_store_kv(dtype, qk_norm):
+def attention_input_case(qk_norm):
+    """Five tokens (one padding) of a 32-wide head: the inputs and the plain layers' q, k, v."""
     head_dim = 32
     qkv = randn(5, (HEADS + 2 * KV_HEADS) * head_dim) * 4
     slots = torch.tensor([3, 17, -1, 0, 9])
     norms = head_norms(qk_norm, head_dim, torch.float32)
     cos, sin = cos_sin(5, head_dim, torch.float32)
     want_q, want_k, want_v = expected(qkv, head_dim, cos, sin, slots, norms, 1e-6, torch.float32)
+    return head_dim, qkv, slots, norms, cos, sin, (want_q, want_k, want_v)
+
+
+@pytest.mark.parametrize("dtype", QUANTIZED)
+@pytest.mark.parametrize("qk_norm", [True, False])
+def test_attention_input_quantizes_each_head_as_store_kv(dtype, qk_norm):
+    head_dim, qkv, slots, norms, cos, sin, (want_q, want_k, want_v) = attention_input_case(qk_norm)
     zeros = torch.zeros(NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, head_dim)
     want = quantized(want_k, want_v, dtype)
     zero = quantized(zeros, zeros, dtype)
@@ -169,12 +175,7 @@ def test_attention_input_quantizes_each_head_as_store_kv(dtype, qk_norm):
 @pytest.mark.parametrize("dtype", QUANTIZED)
 @pytest.mark.parametrize("qk_norm", [True, False])
 def test_rotated_attention_input_stores_k_times_h_and_returns_q_times_h(dtype, qk_norm):
-    head_dim = 32
-    qkv = randn(5, (HEADS + 2 * KV_HEADS) * head_dim) * 4
-    slots = torch.tensor([3, 17, -1, 0, 9])
-    norms = head_norms(qk_norm, head_dim, torch.float32)
-    cos, sin = cos_sin(5, head_dim, torch.float32)
-    want_q, want_k, want_v = expected(qkv, head_dim, cos, sin, slots, norms, 1e-6, torch.float32)
+    head_dim, qkv, slots, norms, cos, sin, (want_q, want_k, want_v) = attention_input_case(qk_norm)
     h = hadamard(head_dim)
     want_k = rotate(want_k, h)
     want = quantized(want_k, want_v, dtype)
