@@ -30,6 +30,7 @@ from router.autoscale import AutoscalingPolicy
 from tests.cluster.ray.local_nodes import LocalNodes, wait_for
 
 PROMPT = [5, 6, 7, 8]
+IDLE_NODE_TIMEOUT_S = 10.0
 GPU_NODE = {"resources": {"CPU": 1, "GPU": 1}, "min_workers": 0, "max_workers": 1}
 # 12 sequences running on 2 replicas are 1.5x a target of 4; one on each of 3 replicas is
 # 0.25, which 2 replicas would carry at 0.375: under the band, so the cluster shrinks while
@@ -150,7 +151,10 @@ def main(model: str, out: str) -> None:
     nodes = LocalNodes()
     start = time.monotonic()
     try:
-        nodes.start_head(num_cpus=1, worker_types={"gpu": GPU_NODE})
+        # a GPU node idle this long goes back: long enough that on a busy machine the node
+        # Ray starts for the third replica is not returned before its group lands there
+        nodes.start_head(num_cpus=1, worker_types={"gpu": GPU_NODE},
+                         idle_timeout_s=IDLE_NODE_TIMEOUT_S)
         nodes.add_node(num_cpus=1, resources={"node_b": 1})  # both start at once
         nodes.connect()
         # both CPUs there before two replicas ask for them, so neither group waits and Ray's
