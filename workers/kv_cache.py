@@ -48,24 +48,32 @@ def allocate_kv_caches(
     dtype: torch.dtype,
     device: torch.device,
     kv_format: KVFormat | None = None,
+    key_centers: list[torch.Tensor] | None = None,
 ) -> KVCaches:
     """Zeroed caches of every layer; kv_format None: elements of the model's ``dtype``. A
-    format that rotates keys gets its matrix in every layer's ``key_rotation``."""
+    format that rotates keys gets its matrix in every layer's ``key_rotation``; one that
+    centers them each layer's center of ``key_centers`` (workers/attention/key_centers.py;
+    None: uncalibrated, stored as they are)."""
     kv_heads, head_dim = kv_cache_shape_per_layer(config, tp_size)
     fmt = kv_format or unquantized(dtype)
     shape = (num_blocks, block_size, kv_heads, head_dim)
     elements = element_dtype(fmt)
     rotation = key_rotation(fmt, head_dim, dtype, device)  # one matrix for every layer
+    if key_centers is None or not fmt.centers_keys(head_dim):
+        key_centers = [None] * num_layers(config)
+    elif len(key_centers) != num_layers(config):
+        raise ValueError(f"{len(key_centers)} key centers for {num_layers(config)} layers")
 
-    def layer() -> LayerKVCache:
+    def layer(center: torch.Tensor | None) -> LayerKVCache:
         k, v = (torch.zeros(shape, dtype=elements, device=device) for _ in range(2))
         if not fmt.quantized:
             return LayerKVCache(k, v)
         k_scale, v_scale = (torch.zeros(shape[:3], dtype=SCALE_DTYPE, device=device)
                             for _ in range(2))
-        return LayerKVCache(k, v, k_scale, v_scale, rotation)
+        return LayerKVCache(k, v, k_scale, v_scale, rotation,
+                            None if center is None else center.to(dtype=dtype, device=device))
 
-    return [layer() for _ in range(num_layers(config))]
+    return [layer(center) for center in key_centers]
 
 
 def unquantized(dtype: torch.dtype) -> KVFormat:

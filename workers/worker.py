@@ -10,6 +10,7 @@ from dataclasses import replace
 import numpy as np
 import torch
 
+from workers.attention.key_centers import centers_digest, key_centers_for
 from workers.device_stats import DeviceStats, read_device_stats
 from workers.gc_freeze import freeze_start_up_objects
 from workers.host_layout import OffloadInfo, layer_tensors
@@ -58,6 +59,9 @@ class Worker:
         self.states: dict[str, RequestState] = {}
         self.kv_caches: KVCaches = []
         self.offloader: KVOffloader | None = None  # copies to and from the host and disk tiers
+        # an int8 cache's keys less each layer's mean, calibrated in init_kv_cache
+        self.key_centers: list[torch.Tensor] | None = None
+        self.centers_digest: str | None = None
         self.graphs = None  # DecodeGraphs once captured (GPU, Triton; every rank or none)
         self.lookahead: Lookahead | None = None  # the next call's first step, already run
         self.draft = None  # DraftModel: it must see every step (so one step a call), eagerly
@@ -123,6 +127,10 @@ class Worker:
         """Allocates the cache (and the host buffer for offloaded blocks, if asked), then
         captures the decode graphs that read it. Returns the host buffer's shape, if any."""
         self._use_device()
+        # before the cache: a prefill of its own (every rank at once, as this call runs)
+        self.key_centers = key_centers_for(self.kv_format, self.model, self.hf_config, self.tp,
+                                           self.dtype, self.device)
+        self.centers_digest = centers_digest(self.key_centers, self.tp)  # a collective too
         self._allocate_kv_cache(num_blocks)
         self.offloader = None
         if self.config.host_kv_cache_bytes:
@@ -181,6 +189,11 @@ class Worker:
             self.states.clear()
         return num_tokens / max(seconds, 1e-9)
 
+    def key_centers_digest(self) -> str | None:
+        """The digest of every rank's key centers (the same on each), for the blocks' hash
+        keys; None when keys are not centered."""
+        return self.centers_digest
+
     def export_host_slots(self, slots: list[int]) -> torch.Tensor:
         """This shard's bytes of the host-tier slots, for another replica (kv_offload.py)."""
         if self.offloader is None:
@@ -196,7 +209,7 @@ class Worker:
         self.graphs = None  # graphs hold the old cache's addresses
         self.kv_caches = allocate_kv_caches(
             self.hf_config, self.tp.size, num_blocks, self.config.block_size, self.dtype,
-            self.device, self.kv_format,
+            self.device, self.kv_format, self.key_centers,
         )
         if self.draft is not None:
             self.draft.allocate(num_blocks)

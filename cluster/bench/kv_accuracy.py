@@ -28,7 +28,8 @@ from cluster.bench.kv_texts import CHAT_QUESTIONS, TEXTS
 from cluster.bench.report import machine_facts, markdown_table, publish
 from cluster.engine.tokenizer import load_tokenizer
 from router.sampling_params import SamplingParams
-from workers.attention.metadata import AttentionMetadata
+from workers.attention.key_centers import key_centers_for
+from workers.attention.metadata import whole_sequence
 from workers.catalog import resolve_model
 from workers.kv_cache import allocate_kv_caches, dtype_name, resolve_kv_format
 from workers.layers.parallel import TensorParallelGroup
@@ -47,30 +48,19 @@ def text_token_ids(folder, vocab_size: int, max_tokens: int, seed: int) -> list[
     return [tokenizer.encode(text)[:max_tokens] for text in TEXTS]
 
 
-def one_sequence(num_tokens: int, block_size: int, device: torch.device) -> AttentionMetadata:
-    """A whole sequence as one step's new tokens, in blocks 0, 1, 2, ..."""
-    num_blocks = -(-num_tokens // block_size)
-    return AttentionMetadata(
-        slot_mapping=torch.arange(num_tokens, device=device),
-        query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=device),
-        seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=device),
-        block_tables=torch.arange(num_blocks, dtype=torch.int32, device=device)[None],
-        max_query_len=num_tokens, max_seq_len=num_tokens,
-        query_lens_cpu=[num_tokens], seq_lens_cpu=[num_tokens],
-    )  # fmt: skip
-
-
 @torch.inference_mode()
 def teacher_forced_log_probs(model, hf_config, token_ids: list[int], kv_format, dtype,
-                             device: torch.device, block_size: int) -> torch.Tensor:
+                             device: torch.device, block_size: int,
+                             key_centers: list[torch.Tensor] | None = None) -> torch.Tensor:
     """(T - 1, vocab) float32 log-probabilities of the next token at every position but the
-    last, through a fresh cache in ``kv_format``."""
+    last, through a fresh cache in ``kv_format`` (keys less ``key_centers``, if it centers
+    them: workers/attention/key_centers.py)."""
     num_tokens = len(token_ids)
     caches = allocate_kv_caches(hf_config, 1, -(-num_tokens // block_size), block_size, dtype,
-                                device, kv_format)
+                                device, kv_format, key_centers)
     ids = torch.tensor(token_ids, device=device)
     hidden = model(ids, torch.arange(num_tokens, device=device), caches,
-                   one_sequence(num_tokens, block_size, device))
+                   whole_sequence(num_tokens, block_size, device))
     logits = model.compute_logits(hidden[:-1]).float()
     return torch.log_softmax(logits, dim=-1)
 
@@ -130,8 +120,12 @@ def kv_accuracy(args: argparse.Namespace) -> int:
     backend = make_attention_backend(args.attention_backend, device)
     model, hf_config = load_model(folder, dtype, device, TensorParallelGroup.single(), backend)
     texts = text_token_ids(folder, hf_config.vocab_size, args.max_tokens_per_text, args.seed)
+    single = TensorParallelGroup.single()
+    centers = {name: key_centers_for(fmt, model, hf_config, single, dtype, device)
+               for name, fmt in formats.items()}  # calibrated as an engine would at start-up
     log_probs = {name: [teacher_forced_log_probs(model, hf_config, ids, fmt, dtype, device,
-                                                 args.block_size) for ids in texts]
+                                                 args.block_size, centers[name])
+                        for ids in texts]
                  for name, fmt in formats.items()}
     del model
     results = {name: compare(log_probs["auto"], log_probs[name], texts) for name in args.formats}

@@ -13,6 +13,10 @@ class Executor(Protocol):
     def init_kv_cache(self, num_blocks: int) -> OffloadInfo | None:
         """Allocates every shard's cache (and host buffer); the host buffer's shape, if any."""
         ...
+    def key_centers_digest(self) -> str | None:
+        """What the shards' int8 keys are centered by, as a digest (workers/attention/
+        key_centers.py); None when they are not."""
+        ...
     def execute(self, step: StepInput) -> StepOutput: ...
     def device_stats(self) -> list[DeviceStats]: ...  # one per shard on a GPU, none on the CPU
     def shutdown(self) -> None: ...
@@ -29,6 +33,9 @@ class UniExecutor:
 
     def init_kv_cache(self, num_blocks: int) -> OffloadInfo | None:
         return self.worker.init_kv_cache(num_blocks)
+
+    def key_centers_digest(self) -> str | None:
+        return self.worker.key_centers_digest()
 
     def execute(self, step: StepInput) -> StepOutput:
         output = self.worker.execute(step)

@@ -105,6 +105,9 @@ class LLMEngine:
         # hashes prompts with the same keys (kv_hash_keys) to find them in the directory
         format_key = hash_key_of(config.kv_cache_dtype)  # with the keys' rotation: kvstore
         extra_keys = (config.model,) if format_key is None else (config.model, format_key)
+        centers = self.executor.key_centers_digest()  # int8 keys less a calibrated mean
+        if centers is not None:
+            extra_keys += (f"key-centers={centers}",)
         self.kv_hash_keys = (config.block_size, extra_keys)
         kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
                             extra_keys=self.kv_hash_keys[1], tiers=tiers)

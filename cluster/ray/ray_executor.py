@@ -84,6 +84,9 @@ class RayExecutor:
         self.step_graph = graph.experimental_compile()
         return infos[0]
 
+    def key_centers_digest(self) -> str | None:
+        return ray.get(self.actors[0].key_centers_digest.remote())  # every rank's: worker.py
+
     def park(self) -> None:
         """Holds every shard in a blocking wait until the next step (the replica is idle)."""
         if self.parked is not None or self.step_graph is None:

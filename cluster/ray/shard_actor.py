@@ -88,6 +88,10 @@ class ShardActor:
         assert self.worker is not None
         return self.worker.init_kv_cache(num_blocks)
 
+    def key_centers_digest(self) -> str | None:
+        assert self.worker is not None
+        return self.worker.key_centers_digest()
+
     def execute(self, step: StepInput | Park) -> StepOutput | None:
         if isinstance(step, Park):
             # runs on the compiled graph's thread; ordinary calls (unpark, pings) on another

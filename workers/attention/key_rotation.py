@@ -41,3 +41,11 @@ def key_rotation(fmt: KVFormat, head_dim: int, dtype: torch.dtype,
 def rotate(x: torch.Tensor, rotation: torch.Tensor | None) -> torch.Tensor:
     """x (..., head_dim) @ rotation; x itself when there is none."""
     return x if rotation is None else x @ rotation
+
+
+def stored_keys(k: torch.Tensor, cache) -> torch.Tensor:
+    """k (T, kv_heads, head_dim) as ``cache`` (a LayerKVCache) stores it: less the layer's
+    center if it has one (workers/attention/key_centers.py), then rotated."""
+    if cache.key_center is not None:
+        k = k - cache.key_center
+    return rotate(k, cache.key_rotation)

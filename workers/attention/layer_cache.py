@@ -17,13 +17,18 @@ class LayerKVCache:
 
     key_rotation (head_dim, head_dim), model dtype, or None: the cache holds keys times this
     matrix (after rotary), so whoever writes keys or attends over them rotates k and q by it
-    first (workers/attention/key_rotation.py); one tensor shared by every layer."""
+    first (workers/attention/key_rotation.py); one tensor shared by every layer.
+
+    key_center (kv_heads, head_dim), model dtype, or None: with a rotation, the keys are
+    stored less this layer's center before they are rotated (workers/attention/key_centers.py);
+    queries are not (softmax is blind to it)."""
 
     k: torch.Tensor
     v: torch.Tensor
     k_scale: torch.Tensor | None = None
     v_scale: torch.Tensor | None = None
     key_rotation: torch.Tensor | None = None
+    key_center: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if (self.k_scale is None) != (self.v_scale is None):
@@ -35,6 +40,12 @@ class LayerKVCache:
         if self.key_rotation is not None and self.key_rotation.shape != (head_dim, head_dim):
             raise ValueError(f"a key rotation of shape {tuple(self.key_rotation.shape)} does "
                              f"not fit head_dim {head_dim}")
+        if self.key_center is not None:
+            if self.key_rotation is None:
+                raise ValueError("keys are centered only in a cache of rotated keys")
+            if self.key_center.shape != self.k.shape[2:]:
+                raise ValueError(f"a key center of shape {tuple(self.key_center.shape)} does "
+                                 f"not fit {self.k.shape[2]} kv heads of head_dim {head_dim}")
 
     @property
     def quantized(self) -> bool:

@@ -47,3 +47,17 @@ def longest_first(seq_lens: np.ndarray) -> np.ndarray:
     """A decode batch's ``decode_order``: its rows by context length, longest first (ties in
     row order). Padding rows (length 0) come last."""
     return np.argsort(-seq_lens, kind="stable").astype(np.int32)
+
+
+def whole_sequence(num_tokens: int, block_size: int, device: torch.device) -> AttentionMetadata:
+    """One sequence's every token as one step's new tokens, in blocks 0, 1, 2, ... (slot s
+    for position s): a calibration or teacher-forced pass over a fresh cache."""
+    num_blocks = -(-num_tokens // block_size)
+    return AttentionMetadata(
+        slot_mapping=torch.arange(num_tokens, device=device),
+        query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=device),
+        seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=device),
+        block_tables=torch.arange(num_blocks, dtype=torch.int32, device=device)[None],
+        max_query_len=num_tokens, max_seq_len=num_tokens,
+        query_lens_cpu=[num_tokens], seq_lens_cpu=[num_tokens],
+    )  # fmt: skip

@@ -7,7 +7,8 @@ unquantized slot per token, and the rotation and the quantizing store follow::
 
     qkv -> attention_input -> q, scratch k, v  (normed, rotary; model dtype)
     q @ H                  -> q for the attention kernels
-    k @ H, v               -> store_kv -> the quantized cache at the tokens' slots
+    (k - m) @ H, v         -> store_kv -> the quantized cache at the tokens' slots
+                              (m: the layer's key center, where the cache has one)
 
 Four launches more a layer than an unrotated cache (the slots, two small matmuls, the store),
 all plain tensors of the step's size, so CUDA graphs capture them as they are. A padding
@@ -16,7 +17,7 @@ token (slot below 0) fills its scratch row and store_kv skips it.
 
 import torch
 
-from workers.attention.key_rotation import rotate
+from workers.attention.key_rotation import rotate, stored_keys
 from workers.attention.layer_cache import LayerKVCache
 from workers.attention.triton_store import store_kv
 from workers.layers.attention_input import attention_input
@@ -44,6 +45,6 @@ def rotated_attention_input(
     q = attention_input(qkv, num_heads, cos, sin, scratch[0], scratch[1], slots, q_norm, k_norm,
                         eps, row_scale)  # fmt: skip
     k, v = scratch[:, :, 0]  # each (T, kv_heads, head_dim)
-    store_kv(rotate(k, cache.key_rotation), v, cache.k, cache.v, slot_mapping, cache.k_scale,
+    store_kv(stored_keys(k, cache), v, cache.k, cache.v, slot_mapping, cache.k_scale,
              cache.v_scale)
     return rotate(q, cache.key_rotation)

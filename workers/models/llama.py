@@ -25,7 +25,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from transformers import PretrainedConfig
 
-from workers.attention.key_rotation import rotate
+from workers.attention.key_rotation import rotate, stored_keys
 from workers.attention.layer_cache import LayerKVCache
 from workers.attention.metadata import AttentionMetadata
 from workers.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -170,7 +170,7 @@ class LlamaAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         # a cache of rotated keys (workers/attention/key_rotation.py): q turns with k
-        q, k = rotate(q, cache.key_rotation), rotate(k, cache.key_rotation)
+        q, k = rotate(q, cache.key_rotation), stored_keys(k, cache)
         out = self.backend.forward(q, k, v, cache, meta, scale=self.scale)
         return self.o_proj(out.flatten(1))  # (T, heads, head_dim) → (T, hidden)
 

@@ -40,6 +40,9 @@ class GlooExecutor:
         self._send("init_kv_cache", num_blocks)
         return self.worker.init_kv_cache(num_blocks)
 
+    def key_centers_digest(self) -> str | None:
+        return self.worker.key_centers_digest()  # every rank's, gathered in init_kv_cache
+
     def execute(self, step: StepInput) -> StepOutput:
         self._send("execute", step)
         output = self.worker.execute(step)

@@ -6,6 +6,8 @@ import torch
 
 from cluster import LLM, EngineConfig, SamplingParams
 from cluster.engine.engine_setup import worker_config
+from workers.attention.key_centers import centers_digest
+from workers.layers.parallel import TensorParallelGroup
 
 PREFIX = list(range(40, 73))  # 33 tokens: 8 full blocks of 4 shared, one token past them
 PROMPTS = [PREFIX + [5, 6, 7], PREFIX + [900, 3], PREFIX + [11, 12, 13, 14, 15]]
@@ -54,9 +56,13 @@ def test_kv_cache_dtype_reaches_the_workers_and_the_block_hashes(tiny_models):
     # the shard actors of a tensor-parallel replica are built from this WorkerConfig too
     assert worker_config(config, tiny_models["llama"]).kv_cache_dtype == "int8"
     llm = engine(tiny_models, "int8")
-    # the format's key names the keys' rotation: blocks of unrotated int8 never match
-    want = (str(tiny_models["llama"]), "kv_cache_dtype=int8+hadamard-keys")
-    assert llm.engine.kv_hash_keys[1] == want
+    # the format's key names the keys' rotation and centering, and the centers' digest the
+    # centers this process calibrated: blocks of another int8 never match
+    worker = llm.engine.executor.worker
+    digest = centers_digest(worker.key_centers, TensorParallelGroup.single())
+    want = (str(tiny_models["llama"]), "kv_cache_dtype=int8+hadamard-keys+centered-keys",
+            f"key-centers={digest}")
+    assert llm.engine.kv_hash_keys[1] == want and len(worker.key_centers) == 2
     assert engine(tiny_models, "auto").engine.kv_hash_keys[1] == (str(tiny_models["llama"]),)
 
 
