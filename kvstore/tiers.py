@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from kvstore.block_hash import BlockHash
 from kvstore.block_pool import BlockPool, KVBlock
 from kvstore.disk_tier import DiskTier
+from kvstore.events import HOST
 from kvstore.host_tier import HostBlock, HostTier
 from kvstore.transfers import (
     BlockLoad,
@@ -42,7 +43,7 @@ from kvstore.transfers import (
     TransferReport,
 )
 
-HOST, DISK = "host", "disk"
+DISK = "disk"  # HOST comes from events.py: the host tier's blocks are KV events too
 
 
 @dataclass(frozen=True)
