@@ -321,6 +321,8 @@ class TierManager:
         for block_hash in self._planned_host:
             self.host.unpin(block_hash)
         self._planned_host.clear()
+        if self.disk is not None:
+            self.plan.disk_deletes.extend(self.disk.take_deletes())
         plan, self.plan = self.plan, KVTransfers()
         return None if plan.is_empty else plan
 
