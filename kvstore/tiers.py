@@ -8,6 +8,8 @@ same block under the same chained hash. This manager decides the copies; the wor
                     after the next step's forward (before it, if the pool hands its block out
                     again in that step)
     demotion        a block evicted from the host tier is written to disk, if it is not there
+    disk eviction   a block evicted from disk whose file this process wrote is deleted by
+                    the workers, after that write (``DiskTier.take_deletes``)
     swap-out        a preempted sequence's blocks missing from the host tier go there too, so
                     it resumes from them instead of recomputing
     load            a waiting sequence's prefix, continued past the device hits into the host
