@@ -9,6 +9,11 @@ never output.
 
 The size bound counts this process's view; each process evicts the least recently used blocks
 it knows. A tier that failed (a full or broken disk) is switched off and stays off.
+
+The files of blocks this process writes are written by its workers, off the step
+(workers/disk_io.py): one evicted while its write may still be queued is not removed here,
+where it may not exist yet, but handed to the workers (``take_deletes``), whose queue removes
+it after the write. Removing it here would leave the file the write makes, indexed nowhere.
 """
 
 import contextlib
@@ -52,6 +57,8 @@ class DiskTier:
         self.tp_size = tp_size
         self.index: TierIndex[None] = TierIndex(capacity)
         self.enabled = True
+        self.written: set[BlockHash] = set()  # indexed blocks whose file the workers write
+        self.deletes: list[BlockHash] = []  # evicted ones of those, for the next step message
         self._make_directory()
         self._rebuild()
 
@@ -121,15 +128,30 @@ class DiskTier:
         if not self._make_room():
             return False
         self.index.add(block_hash, None)
+        self.written.add(block_hash)
+        if block_hash in self.deletes:  # its delete would follow this write: not any more
+            self.deletes.remove(block_hash)
         return True
+
+    def take_deletes(self) -> list[BlockHash]:
+        """The evicted blocks whose files the workers remove, after their queued writes."""
+        deletes, self.deletes = self.deletes, []
+        return deletes
 
     def _make_room(self) -> bool:
         while self.index.is_full:
             evicted = self.index.pop_lru()
             if evicted is None:
                 return False
-            self._unlink(evicted[0])
+            self._evicted(evicted[0])
         return True
+
+    def _evicted(self, block_hash: BlockHash) -> None:
+        if block_hash in self.written:
+            self.written.discard(block_hash)
+            self.deletes.append(block_hash)
+        else:  # found on disk, not written here: its files are there, or never will be
+            self._unlink(block_hash)
 
     def pin(self, block_hash: BlockHash) -> None:
         self.index.pin(block_hash)
@@ -142,6 +164,7 @@ class DiskTier:
         try them again."""
         if block_hash in self.index:
             self.index.remove(block_hash)
+        self.written.discard(block_hash)  # its read came after its write: the file is there
         self._unlink(block_hash)
 
     def _unlink(self, block_hash: BlockHash) -> None:
@@ -159,3 +182,5 @@ class DiskTier:
 
     def check_integrity(self) -> None:
         self.index.check_integrity()
+        assert self.written <= set(self.index.entries), "a written block left the index"
+        assert not set(self.deletes) & set(self.index.entries), "an indexed block is deleted"

@@ -10,12 +10,17 @@ drives them all through the step message. Every slot is in exactly one state::
 
 free + evictable + pinned == num_slots. A block evicted from here is handed back to the caller,
 who sends it on to the disk tier before its slot is written again.
+
+Every block entering or leaving the index is also an event of the host tier (``take_events``):
+the engine sends them with its device cache's, so the KV directory knows which replica can load
+or export a block that its device cache no longer holds.
 """
 
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvstore.block_hash import BlockHash
+from kvstore.events import HOST, BlockRemoved, BlockStored, KVEvent
 from kvstore.tier_index import TierIndex
 
 
@@ -33,6 +38,7 @@ class HostTier:
         self.num_slots = num_slots
         self.index: TierIndex[HostBlock] = TierIndex(num_slots)
         self.free_slots = list(range(num_slots - 1, -1, -1))  # a stack: slot 0 is taken first
+        self.events: list[KVEvent] = []  # since the last take_events, in order
 
     def __contains__(self, block_hash: BlockHash) -> bool:
         return block_hash in self.index
@@ -59,7 +65,9 @@ class HostTier:
             if evicted is None:
                 return None
             slot = evicted[1].slot
+            self.events.append(BlockRemoved(evicted[0], HOST))
         self.index.add(block_hash, HostBlock(slot, tuple(token_ids)), pinned=pinned)
+        self.events.append(BlockStored(block_hash, None, HOST))
         return slot, evicted
 
     def touch(self, block_hash: BlockHash) -> None:
@@ -75,6 +83,15 @@ class HostTier:
         """Forgets a block whose slot cannot be trusted (its read from disk failed)."""
         if block_hash in self.index:
             self.free_slots.append(self.index.remove(block_hash).slot)
+            self.events.append(BlockRemoved(block_hash, HOST))
+
+    def hashes(self) -> tuple[BlockHash, ...]:
+        """Every block hash the tier holds (pinned ones too)."""
+        return tuple(self.index.entries)
+
+    def take_events(self) -> list[KVEvent]:
+        events, self.events = self.events, []
+        return events
 
     def check_integrity(self) -> None:
         self.index.check_integrity()

@@ -249,11 +249,20 @@ class KVCacheManager:
         return self.pool.reset_prefix_cache()
 
     def take_events(self) -> list[KVEvent]:
-        return self.pool.take_events()
+        """The device cache's events since the last call, then the host tier's: each tier's
+        in its order (the directory keeps the tiers apart, so their interleaving is moot)."""
+        events = self.pool.take_events()
+        if self.tiers is not None:
+            events.extend(self.tiers.host.take_events())
+        return events
 
     def cached_hashes(self) -> tuple[BlockHash, ...]:
         """Every hash the prefix cache holds (in use or evictable)."""
         return tuple(self.pool.cached)
+
+    def host_hashes(self) -> tuple[BlockHash, ...]:
+        """Every hash the host tier holds; none without one."""
+        return () if self.tiers is None else self.tiers.host.hashes()
 
     def _hashes(self, request_id: str, token_ids: Sequence[int],
                 num_full: int | None = None) -> list[BlockHash]:

@@ -8,6 +8,8 @@ same block under the same chained hash. This manager decides the copies; the wor
                     after the next step's forward (before it, if the pool hands its block out
                     again in that step)
     demotion        a block evicted from the host tier is written to disk, if it is not there
+    disk eviction   a block evicted from disk whose file this process wrote is deleted by
+                    the workers, after that write (``DiskTier.take_deletes``)
     swap-out        a preempted sequence's blocks missing from the host tier go there too, so
                     it resumes from them instead of recomputing
     load            a waiting sequence's prefix, continued past the device hits into the host
@@ -32,6 +34,7 @@ from dataclasses import dataclass, field
 from kvstore.block_hash import BlockHash
 from kvstore.block_pool import BlockPool, KVBlock
 from kvstore.disk_tier import DiskTier
+from kvstore.events import HOST
 from kvstore.host_tier import HostBlock, HostTier
 from kvstore.transfers import (
     BlockLoad,
@@ -42,7 +45,7 @@ from kvstore.transfers import (
     TransferReport,
 )
 
-HOST, DISK = "host", "disk"
+DISK = "disk"  # HOST comes from events.py: the host tier's blocks are KV events too
 
 
 @dataclass(frozen=True)
@@ -320,6 +323,8 @@ class TierManager:
         for block_hash in self._planned_host:
             self.host.unpin(block_hash)
         self._planned_host.clear()
+        if self.disk is not None:
+            self.plan.disk_deletes.extend(self.disk.take_deletes())
         plan, self.plan = self.plan, KVTransfers()
         return None if plan.is_empty else plan
 

@@ -7,6 +7,8 @@ which is what makes reusing a slot or a block within one step safe::
                    (their device blocks may be handed out again in this very step)
     to_disk        host slot -> file        blocks leaving the host tier, before their slot
                                             is written again below
+    disk_deletes   file -> nothing          blocks the disk tier evicted: after their writes
+                                            (queued in this step or before), on the same queue
     stores_first   device block -> host     blocks the GPU pool handed out again in this
                                             step: copied before the forward overwrites them
     imports        staged bytes -> host     blocks pulled from another replica's host tier
@@ -61,6 +63,7 @@ class HostImport:
 class KVTransfers:
     cancelled: list[str] = field(default_factory=list)  # request ids
     to_disk: list[DiskWrite] = field(default_factory=list)
+    disk_deletes: list[BlockHash] = field(default_factory=list)
     stores_first: list[tuple[int, int]] = field(default_factory=list)  # (device block, slot)
     imports: list[HostImport] = field(default_factory=list)
     from_disk: list[DiskRead] = field(default_factory=list)
@@ -69,7 +72,8 @@ class KVTransfers:
 
     @property
     def is_empty(self) -> bool:
-        return not (self.cancelled or self.to_disk or self.stores_first or self.imports
+        return not (self.cancelled or self.to_disk or self.disk_deletes or self.stores_first
+                    or self.imports
                     or self.from_disk or self.loads or self.stores)
 
 

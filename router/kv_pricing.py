@@ -5,6 +5,8 @@ placement costs are in (placement.py)::
 
     recompute   n tokens                    n / prefill_tokens_per_s
     load        b blocks host -> device     b × block_bytes / host_copy_bytes_per_s
+                (a replica's own host tier:
+                blocks its device cache lost)
     pull        b blocks from a peer's      b × block_bytes / pull_bytes_per_s, then a load
                 host tier, then a load
     swap        a preempted sequence's      (c + b) × block_bytes / host_copy_bytes_per_s:
@@ -15,7 +17,7 @@ Pure functions of plain numbers: the engine measures the rates, the router and t
 ask these.
 """
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 
@@ -58,6 +60,12 @@ def swap_pays(rates: TransferRates | None, num_copy_blocks: int, num_load_blocks
     return swap < rates.recompute_seconds(num_recompute_tokens)
 
 
+def load_tokens(rates: TransferRates | None, num_blocks: int) -> float:
+    """What loading ``num_blocks`` from a replica's own host tier costs, in prompt tokens.
+    Unmeasured rates: nothing (a load is assumed to beat recomputing, as ``swap_pays`` does)."""
+    return 0.0 if rates is None else rates.in_tokens(rates.copy_seconds(num_blocks))
+
+
 @dataclass(frozen=True)
 class PullChoice:
     replica: int  # where the request runs
@@ -67,23 +75,33 @@ class PullChoice:
     cost: float  # in prompt tokens, as placement costs are
 
 
+HostRuns = Callable[[int], Mapping[int, int]]
+"""For a first block: how many blocks from it on each replica's host tier lists, contiguously
+(``KVDirectory.host_runs``)."""
+
+
 def cheapest_pull(rates: TransferRates | None, costs: Mapping[int, float],
-                  stored: Mapping[int, int], matched: Mapping[int, int], max_blocks: int,
+                  matched: Mapping[int, int], host_runs: HostRuns, max_blocks: int,
                   block_size: int) -> PullChoice | None:
-    """The cheapest way to run a request on a replica that pulls the blocks it lacks from the
-    replica listing the longest prefix. ``costs``: each candidate's placement cost (prompt
-    tokens, with what it holds already); ``stored``: leading blocks each live replica's cache
-    lists (the directory's, not merely pending; any of them may be the source);
-    ``matched``: what each candidate holds or will.
-    None without a pull rate or when no pull saves anything."""
+    """The cheapest way to run a request on a replica that first pulls the blocks it lacks
+    from another's host tier. ``costs``: each candidate's placement cost (prompt tokens, with
+    what it holds already); ``matched``: the leading blocks each candidate holds or will, from
+    which its pull starts. Only host-tier blocks are offered: an export reads host slots, so a
+    block in a device cache alone cannot be pulled. The source is the replica whose host run
+    from there is longest. None without a pull rate or when no pull saves anything."""
     if rates is None or rates.pull_bytes_per_s <= 0 or not costs:
         return None
-    source = max(stored, key=lambda index: (stored[index], -index))
     best: PullChoice | None = None
     for replica, cost in costs.items():
         first = matched[replica]
-        num_blocks = min(stored[source], max_blocks) - first
-        if replica == source or num_blocks <= 0:
+        if first >= max_blocks:
+            continue
+        runs = {index: run for index, run in host_runs(first).items() if index != replica}
+        if not runs:
+            continue
+        source = max(runs, key=lambda index: (runs[index], -index))
+        num_blocks = min(first + runs[source], max_blocks) - first
+        if num_blocks <= 0:
             continue
         pulled = cost - num_blocks * block_size + rates.in_tokens(rates.pull_seconds(num_blocks))
         if best is None or pulled < best.cost:

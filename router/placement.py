@@ -8,10 +8,12 @@ more requests in flight, so one hot prefix cannot pile onto one replica while ot
 the hashes of requests just routed count as held there for a few seconds ("pending"), so a
 burst of one group sticks together before the replica's events arrive.
 
-With measured transfer rates (``set_rates``: host tiers on, several replicas) it also prices a
-third choice beside sending the request where its blocks are and recomputing them elsewhere:
-running it on another replica that first pulls them from the holder's host tier
-(kv_pricing.py). The cheapest of the three wins, the load guard still applying.
+A replica's prefix counts its device cache and then its host tier (the directory lists both):
+host blocks there cost a load from host, priced from the measured rates. With those rates
+(``set_rates``: host tiers on, several replicas) it also prices a third choice beside sending
+the request where its blocks are and recomputing them elsewhere: running it on another replica
+that first pulls them from the holder's host tier (kv_pricing.py), which only blocks listed in
+that host tier can be. The cheapest of the three wins, the load guard still applying.
 """
 
 import time
@@ -22,7 +24,7 @@ from typing import Protocol
 
 from kvstore.block_hash import BlockHash
 from kvstore.directory import KVDirectory
-from router.kv_pricing import PullChoice, TransferRates, cheapest_pull
+from router.kv_pricing import PullChoice, TransferRates, cheapest_pull, load_tokens
 
 
 @dataclass(frozen=True)
@@ -119,20 +121,23 @@ class PrefixAffinity:
         live = candidates(loads)
         self._expire()
         # blocks pending on a replica count as held there (they are being computed)
-        stored, matched = self.directory.matches(request.block_hashes, live, self.pending)
+        found = self.directory.matches(request.block_hashes, live, self.pending)
         most_cached = max(request.num_prompt_tokens - 1, 0)
+        max_blocks = most_cached // request.block_size
 
         def cached(index: int) -> int:
-            return min(matched[index] * request.block_size, most_cached)
+            return min(found.matched[index] * request.block_size, most_cached)
 
         def cost(index: int) -> float:
             load = loads[index]
             decoding = load.num_requests - load.num_prefilling
             # blocks matched only as pending are being computed there for another request:
             # queued work this request shares (the engine lets it wait for them), not extra
-            shared = (matched[index] - stored[index]) * request.block_size
+            shared = (found.matched[index] - found.listed[index]) * request.block_size
             queued = max(0, load.num_prefill_tokens - shared)
-            return (request.num_prompt_tokens - cached(index) + queued
+            # blocks its device cache lost but its host tier kept are loaded, not recomputed
+            loaded = load_tokens(self.rates, found.num_host(index, max_blocks))
+            return (request.num_prompt_tokens - cached(index) + loaded + queued
                     + self.decode_weight * decoding)
 
         best = min(live, key=lambda index: (cost(index), loads[index].num_requests, index))
@@ -143,19 +148,24 @@ class PrefixAffinity:
         # a pull only to where the request may go: the chosen one's cost, or below it
         allowed = {index: cost(index) for index in live
                    if not guarded or index == least}
-        pull = cheapest_pull(self.rates, allowed, stored, matched,
-                             most_cached // request.block_size, request.block_size)
+
+        def host_runs(first: int) -> dict[int, int]:
+            return self.directory.host_runs(request.block_hashes, first, max_blocks, live)
+
+        pull = cheapest_pull(self.rates, allowed, found.matched, host_runs, max_blocks,
+                             request.block_size)
         if pull is not None and pull.cost < cost(decision.replica):
             pulled = (pull.first_block + pull.num_blocks) * request.block_size
             decision = Decision(pull.replica, "pull", min(pulled, most_cached), pull)
-        self._add_pending(request.block_hashes, decision.replica, stored[decision.replica])
+        self._add_pending(request.block_hashes, decision.replica,
+                          found.listed[decision.replica])
         return decision
 
-    def _add_pending(self, hashes: Sequence[BlockHash], replica: int, stored: int) -> None:
-        """The blocks past what the directory already lists there count as held there for
-        ``pending_seconds``: the request is computing them."""
+    def _add_pending(self, hashes: Sequence[BlockHash], replica: int, listed: int) -> None:
+        """The blocks past what the directory already lists there (in either tier) count as
+        held there for ``pending_seconds``: the request is computing (or pulling) them."""
         expiry = self.clock() + self.pending_seconds
-        for block_hash in hashes[stored:]:
+        for block_hash in hashes[listed:]:
             self.pending.setdefault(block_hash, {})[replica] = expiry
             self._expiries.append((expiry, block_hash, replica))
 

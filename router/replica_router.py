@@ -30,10 +30,11 @@ class RouterStats:
     event_lag_s: float | None  # the last batch: its step's end to its arrival here
     loads: list[ReplicaLoad]
     resyncs: int
-    blocks_held: list[int] = field(default_factory=list)  # per replica
+    blocks_held: list[int] = field(default_factory=list)  # per replica, in its device cache
     removed: frozenset[int] = frozenset()  # replicas the autoscaler took away (indices stay)
     failovers: int = 0  # requests moved to another replica after theirs was lost
     rejected: dict[str, int] = field(default_factory=dict)  # refused, by Refusal reason
+    host_blocks_held: list[int] = field(default_factory=list)  # per replica, in its host tier
 
 
 @dataclass(frozen=True)
@@ -242,4 +243,5 @@ class ReplicaRouter:
         return RouterStats(dict(self.decisions), self.directory.num_blocks, self.event_lag_s,
                            self.loads(), self.resyncs,
                            [len(view.hashes) for view in self.directory.replicas],
-                           frozenset(self.removed), self.failovers, dict(self.rejected))
+                           frozenset(self.removed), self.failovers, dict(self.rejected),
+                           [len(view.host_hashes) for view in self.directory.replicas])

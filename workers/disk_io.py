@@ -58,6 +58,10 @@ class DiskIO:
         """Queues a block's file (``data``: a copy of its slot, the caller's no more)."""
         self._jobs.put(lambda: self._write(block_hash, token_ids, data))
 
+    def delete(self, block_hash: BlockHash) -> None:
+        """Queues the removal of a block's file: after any write of it queued before."""
+        self._jobs.put(lambda: self._delete(block_hash))
+
     def read(self, block_hash: BlockHash, token_ids: tuple[int, ...], slot: int,
              into: memoryview) -> ReadJob:
         """Queues a read of a block's file into ``into`` (its host slot, which nothing else
@@ -96,6 +100,13 @@ class DiskIO:
                              memoryview(data))
         except OSError as failure:
             self.error = f"writing a block file failed ({failure.strerror or failure})"
+
+    def _delete(self, block_hash: BlockHash) -> None:
+        try:
+            self.path(block_hash).unlink(missing_ok=True)
+        except OSError as failure:  # a file left behind: no reader trusts one unchecked
+            log.warning("KV block file %s could not be removed (%s)", self.path(block_hash),
+                        failure.strerror or failure)
 
     def _read(self, block_hash: BlockHash, token_ids: tuple[int, ...], into: memoryview,
               job: ReadJob) -> None:

@@ -81,6 +81,14 @@ class DiskTransfers:
             data = self.host[write.slot].numpy().tobytes()
             self.io.write(write.block_hash, write.token_ids, data)
 
+    def delete(self, block_hashes: list[BlockHash]) -> None:
+        """Removes the files of blocks the disk tier evicted, after their queued writes (even
+        once a write failed: what it left is not in the index)."""
+        if self.io is None:
+            return
+        for block_hash in block_hashes:
+            self.io.delete(block_hash)
+
     def check_error(self) -> str | None:
         """Whether a write failed on any shard, once (then the tier is off here); every shard
         calls it in the same steps."""

@@ -154,6 +154,7 @@ class KVOffloader:
         if transfers is not None:
             self.disk.cancel(transfers.cancelled)
             self.disk.write(transfers.to_disk, self._host_ready)
+            self.disk.delete(transfers.disk_deletes)
             self._store(transfers.stores_first)
             for host_import in transfers.imports:
                 self._import(host_import)

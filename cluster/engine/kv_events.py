@@ -2,7 +2,8 @@
 
 One batch a step, numbered within the engine's epoch (a random id made when the engine is:
 a rebuilt or restarted engine starts a new one, and the directory then forgets what the old one
-held). ``dump`` gives every hash the cache holds, for a directory that missed a batch.
+held). ``dump`` gives every hash the device cache and the host tier hold, for a directory that
+missed a batch.
 """
 
 import time
@@ -29,7 +30,8 @@ class KVEventPublisher:
         return batch
 
     def dump(self) -> CacheDump:
-        """Every cached hash, as of the last batch taken. Events not taken yet are already
-        in the dump and come again in the next batch: replaying adds and removals over the
-        state they led to gives that state again."""
-        return CacheDump(self.replica, self.epoch, self.next_seq - 1, self.kv.cached_hashes())
+        """Every hash of each tier, as of the last batch taken. Events not taken yet are
+        already in the dump and come again in the next batch: replaying adds and removals over
+        the state they led to gives that state again (each tier is a set of its own)."""
+        return CacheDump(self.replica, self.epoch, self.next_seq - 1, self.kv.cached_hashes(),
+                         self.kv.host_hashes())

@@ -69,7 +69,10 @@ ROUTER_METRICS = {  # name -> help; the router's, from its RouterStats
     "load_guard (the cheapest replica had too many more in flight), least_loaded, round_robin.",
     "kv_directory_blocks": "Distinct KV block hashes the router's directory knows a replica "
     "holds.",
-    "kv_directory_replica_blocks": "KV blocks the directory lists for each replica.",
+    "kv_directory_replica_blocks": "KV blocks the directory lists in each replica's device "
+    "cache.",
+    "kv_directory_replica_host_blocks": "KV blocks the directory lists in each replica's host "
+    "tier (loaded there, or pulled from there by another replica).",
     "kv_directory_resyncs_total": "Times a gap in a replica's KV events made the router fetch "
     "its cache dump.",
     "kv_event_lag_seconds": "The last KV event batch: from its engine step's end to the router.",
@@ -249,6 +252,7 @@ class RouterCollector(Collector):
         lag.add_metric(model, stats.event_lag_s if stats.event_lag_s is not None else 0.0)
         yield lag
         for name, values in (("kv_directory_replica_blocks", stats.blocks_held),
+                             ("kv_directory_replica_host_blocks", stats.host_blocks_held),
                              ("router_requests_in_flight",
                               [load.num_requests for load in stats.loads])):
             family = GaugeMetricFamily(PREFIX + name, docs[name], labels=LABELS)

@@ -11,7 +11,9 @@ from kvstore.block_file import block_file_name, read_block_file, write_block_fil
 from kvstore.block_hash import hash_block_tokens
 from kvstore.disk_tier import DiskTier
 from kvstore.host_tier import HostBlock, HostTier
+from kvstore.kv_cache_manager import KVCacheManager
 from kvstore.tier_index import TierIndex
+from kvstore.tiers import TierManager
 
 LAYOUT = "0123456789abcdef"
 
@@ -162,20 +164,40 @@ def test_blocks_another_process_writes_later_are_adopted_on_lookup(tmp_path):
 
 def test_disk_eviction_removes_the_least_recently_used_block_s_files(tmp_path):
     disk = DiskTier(tmp_path, LAYOUT, capacity=2)
-    for n in range(2):
-        assert disk.add(h(n))
-        write_block(tmp_path / LAYOUT, h(n))
-    assert not disk.add(h(0))  # already there: touched, nothing to write
-    disk.pin(h(1))
-    assert disk.add(h(2))  # evicts h(0), the least recently used unpinned
+    write_block(tmp_path / LAYOUT, h(0))  # another process's: adopted, not written here
+    assert disk.lookup(h(0))
+    assert disk.add(h(1))
+    write_block(tmp_path / LAYOUT, h(1))
+    assert not disk.add(h(1))  # already there: touched, nothing to write
+    assert disk.add(h(2))  # evicts h(0), the least recently used: its file goes at once
     assert not (tmp_path / LAYOUT / block_file_name(h(0), 0, 1)).exists()
-    assert set(disk.index.entries) == {h(1), h(2)}
+    assert set(disk.index.entries) == {h(1), h(2)} and disk.take_deletes() == []
+    disk.pin(h(1))
     disk.pin(h(2))
     assert not disk.add(h(3))  # everything pinned: no room
     disk.unpin(h(1))
     disk.unpin(h(2))
-    disk.discard(h(1))
+    disk.discard(h(1))  # its read failed (after its write): its files go at once
     assert not (tmp_path / LAYOUT / block_file_name(h(1), 0, 1)).exists()
+    assert disk.take_deletes() == []
+    disk.check_integrity()
+
+
+def test_a_block_evicted_while_its_write_may_be_queued_is_deleted_by_the_writers(tmp_path):
+    disk = DiskTier(tmp_path, LAYOUT, capacity=2)
+    for n in range(2):
+        assert disk.add(h(n))  # the workers write them, off the step
+    write_block(tmp_path / LAYOUT, h(0))
+    disk.pin(h(1))
+    assert disk.add(h(2))  # evicts h(0): its write may not have landed yet, so it is not
+    assert (tmp_path / LAYOUT / block_file_name(h(0), 0, 1)).exists()  # removed here
+    assert disk.take_deletes() == [h(0)] and disk.take_deletes() == []
+    # evicted, then added again before the step message went: its delete is called off
+    disk.unpin(h(1))  # the LRU order is now h(2), h(1)
+    assert disk.add(h(3))  # evicts h(2)
+    assert disk.add(h(2))  # evicts h(1); h(2)'s new write would come before its delete
+    assert disk.take_deletes() == [h(1)]
+    assert set(disk.index.entries) == {h(2), h(3)}
     disk.check_integrity()
 
 
@@ -211,3 +233,20 @@ def test_a_disabled_disk_tier_finds_nothing_and_says_so_once(tmp_path, caplog):
         f"the disk KV tier in {tmp_path / LAYOUT} is off from now on: No space left on device; "
         "serving goes on without it"]
     assert not disk.lookup(h(0)) and not disk.add(h(1))
+
+
+def test_a_demoted_block_evicted_from_disk_is_deleted_by_the_next_step_message(tmp_path):
+    tiers = TierManager(HostTier(1), DiskTier(tmp_path, LAYOUT, capacity=1), block_size=2)
+    kv = KVCacheManager(num_blocks=8, block_size=2, tiers=tiers)
+    blocks = {}
+    for name, tokens in (("a", [1, 2, 9]), ("b", [3, 4, 9]), ("c", [5, 6, 9])):
+        hits, num_cached = kv.get_computed_blocks(name, tokens)
+        kv.allocate_slots(name, num_cached, len(tokens) - num_cached, hits)
+        kv.cache_blocks(name, tokens, len(tokens))
+        blocks[name] = kv.req_hashes[name][0]
+        plan = kv.take_transfers()
+    # c's write-through evicted b from the host slot; b's demotion evicted a from disk,
+    # whose write the previous step message queued: the workers delete it after that write
+    assert [w.block_hash for w in plan.to_disk] == [blocks["b"]]
+    assert plan.disk_deletes == [blocks["a"]]
+    kv.check_integrity()

@@ -1,8 +1,10 @@
 import pytest
 
 from kvstore.block_hash import hash_full_blocks
-from kvstore.events import BlockRemoved, BlockStored
+from kvstore.events import HOST, BlockRemoved, BlockStored
+from kvstore.host_tier import HostTier
 from kvstore.kv_cache_manager import KVCacheManager
+from kvstore.tiers import TierManager
 
 
 def ids(blocks):
@@ -125,3 +127,36 @@ def test_double_free_of_a_block_is_an_error():
     kv.free("a")
     with pytest.raises(RuntimeError, match="block 0 freed more often than taken"):
         kv.pool.free([block])
+
+
+def test_the_host_tier_s_entries_and_evictions_are_events_of_their_tier():
+    kv = KVCacheManager(num_blocks=4, block_size=2, tiers=TierManager(HostTier(3), None, 2))
+    run_prefill(kv, "a", [1, 2, 3, 4, 5])
+    a = hash_full_blocks([1, 2, 3, 4], 2)
+    # cached on the device; written through by the next step message
+    assert kv.take_events() == [BlockStored(a[0], None), BlockStored(a[1], a[0])]
+    assert kv.take_transfers().stores == [(0, 0), (1, 1)]
+    assert kv.take_events() == [BlockStored(a[0], None, HOST), BlockStored(a[1], None, HOST)]
+    kv.free("a")
+    # c's three blocks evict a's second from the device (its first stays there), and from
+    # the 3-slot host tier a's first (its least recently used), then its second
+    run_prefill(kv, "c", [50, 51, 52, 53, 54, 55])
+    c = hash_full_blocks([50, 51, 52, 53, 54, 55], 2)
+    assert kv.take_transfers().stores == [(3, 2), (2, 0), (1, 1)]
+    assert kv.take_events() == [
+        BlockRemoved(a[1]), BlockStored(c[0], None), BlockStored(c[1], c[0]),
+        BlockStored(c[2], c[1]),
+        BlockStored(c[0], None, HOST), BlockRemoved(a[0], HOST), BlockStored(c[1], None, HOST),
+        BlockRemoved(a[1], HOST), BlockStored(c[2], None, HOST),
+    ]
+    assert kv.cached_hashes() == (a[0], *c) and kv.host_hashes() == tuple(c)
+    kv.tiers.host.discard(c[1])  # its slot can't be trusted (a read failed)
+    assert kv.take_events() == [BlockRemoved(c[1], HOST)]
+    kv.check_integrity()
+
+
+def test_without_a_host_tier_only_device_events_come():
+    kv = KVCacheManager(num_blocks=4, block_size=2)
+    run_prefill(kv, "a", [1, 2, 3])
+    assert kv.take_events() == [BlockStored(hash_full_blocks([1, 2], 2)[0], None)]
+    assert kv.host_hashes() == ()

@@ -150,3 +150,20 @@ def test_a_refused_read_stops_a_later_host_load_of_its_slot_too(tmp_path):
     step(offloader, KVTransfers(stores=[(1, 2)]))
     assert step(offloader, KVTransfers(loads=[BlockLoad("third", [2], [5])])).loaded == {
         "third": 1}
+
+
+def test_a_file_evicted_while_its_write_is_queued_is_deleted_once_written(tmp_path,
+                                                                           monkeypatch):
+    tensors = layer_tensors(caches(torch.float32, seed=5))
+    offloader = KVOffloader(tensors, num_slots=2, disk_dir=str(tmp_path),
+                            tp=TensorParallelGroup.single())
+    h = hashes(1)
+    step(offloader, KVTransfers(stores=[(3, 0)]))
+    gate = gated(monkeypatch, kvstore.block_file.os, "replace")
+    unflushed(offloader, KVTransfers(to_disk=[DiskWrite(0, h[0], (9,))]))
+    # the disk tier evicted the block before its file landed: the delete queues after it
+    unflushed(offloader, KVTransfers(disk_deletes=[h[0]]))
+    assert gate.reached.wait(10)
+    gate.set()
+    offloader.flush()
+    assert list(offloader.directory.iterdir()) == []  # neither the file nor a temporary one

@@ -105,9 +105,11 @@ def test_removed_replicas_leave_the_routers_per_replica_gauges():
     router = RouterStats({}, directory_blocks=0, event_lag_s=None,
                          loads=[ReplicaLoad(num_requests=1), ReplicaLoad(accepting=False),
                                 ReplicaLoad()], resyncs=0, blocks_held=[3, 0, 2],
-                         removed=frozenset({1}))
+                         removed=frozenset({1}), host_blocks_held=[5, 0, 4])
     families = scrape([snapshot(EngineMetrics(), 0)], router)
     in_flight = families["tandem:router_requests_in_flight"].samples
     assert {s.labels["replica"]: s.value for s in in_flight} == {"0": 1, "2": 0}
     held = families["tandem:kv_directory_replica_blocks"].samples
     assert {s.labels["replica"]: s.value for s in held} == {"0": 3, "2": 2}
+    in_host = families["tandem:kv_directory_replica_host_blocks"].samples
+    assert {s.labels["replica"]: s.value for s in in_host} == {"0": 5, "2": 4}
