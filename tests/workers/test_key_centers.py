@@ -130,3 +130,33 @@ def test_centered_keys_are_stored_less_the_center_and_attend_as_the_exact_ones(t
     plain_error = (plain - exact).norm() / exact.norm()
     assert centered_error < plain_error / 3  # 0.017 against 0.075
     assert torch.equal(got.argmax(-1), exact.argmax(-1))
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_the_fused_kernels_calibrate_the_reference_s_centers_and_graphs_replay_them(
+        tiny_models):
+    """bfloat16 on the GPU, the Triton kernels storing the calibration's keys: the centers are
+    the CPU float32 reference's within bfloat16's rounding; an int8 engine with CUDA graphs
+    gives the tokens of one without them, and its blocks' keys carry the digest."""
+    from cluster import LLM, SamplingParams
+    from workers.attention.triton_backend import TritonAttentionBackend
+    from workers.loader import load_model
+
+    model, config = qwen2_with_a_key_offset(tiny_models, 0.0)
+    want = calibrate_key_centers(model, config, SINGLE, torch.float32, CPU)
+    gpu, _ = load_model(tiny_models["qwen2"], torch.bfloat16, "cuda", SINGLE,
+                        TritonAttentionBackend())
+    got = calibrate_key_centers(gpu, config, SINGLE, torch.bfloat16, torch.device("cuda"))
+    for center, reference in zip(got, want, strict=True):
+        assert center.device.type == "cuda" and center.dtype == torch.bfloat16
+        torch.testing.assert_close(center.float().cpu(), reference, atol=0.05, rtol=0.02)
+    prompts = [[(31 * p + 7 * i) % 990 + 5 for i in range(40 + p)] for p in range(6)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    common = dict(device="cuda", dtype="bfloat16", block_size=16, num_kv_blocks=64,
+                  max_num_seqs=8, kv_cache_dtype="int8")
+    eager = LLM(str(tiny_models["qwen2"]), enforce_eager=True, **common)
+    graphs = LLM(str(tiny_models["qwen2"]), **common)
+    assert graphs.engine.executor.worker.graphs is not None
+    assert [o.token_ids for o in graphs.generate(prompts, greedy)] == [
+        o.token_ids for o in eager.generate(prompts, greedy)]
+    assert graphs.engine.kv_hash_keys[1][-1].startswith("key-centers=")
