@@ -17,7 +17,7 @@ Pure functions of plain numbers: the engine measures the rates, the router and t
 ask these.
 """
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 
@@ -47,6 +47,20 @@ class TransferRates:
 
     def in_tokens(self, seconds: float) -> float:
         return seconds * self.prefill_tokens_per_s
+
+
+def cluster_rates(measured: Sequence[TransferRates | None],
+                  pull_bytes_per_s: Callable[[], float]) -> TransferRates | None:
+    """The rates the router prices pulls with, over the replicas serving now: the slowest
+    one's prefill and host copies, and the object store's bandwidth (``pull_bytes_per_s``,
+    asked only when there is something to price). None, so no pulls, below two replicas or
+    when one has no host tier (nothing measured)."""
+    if len(measured) < 2 or any(rates is None for rates in measured):
+        return None
+    known = [rates for rates in measured if rates is not None]
+    return TransferRates(min(r.prefill_tokens_per_s for r in known),
+                         min(r.host_copy_bytes_per_s for r in known), known[0].block_bytes,
+                         pull_bytes_per_s())
 
 
 def swap_pays(rates: TransferRates | None, num_copy_blocks: int, num_load_blocks: int,

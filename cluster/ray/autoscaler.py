@@ -155,7 +155,7 @@ class ReplicaAutoscaler:
                 self.cluster.remove_replica(index, started=False)
                 continue
             try:
-                ray.get(ready)
+                self.cluster.replica_serving(index, ray.get(ready))
                 log.info("autoscaler: replica %d is serving", index)
             except ray.exceptions.RayError as error:
                 log.error("autoscaler: replica %d failed to start, removing it: %r", index, error)

@@ -44,7 +44,7 @@ from cluster.ray.serving_policy import ServingPolicy
 from kvstore.block_hash import BlockHash, ExtraKeys, hash_full_blocks
 from router.admission import Refusal
 from router.autoscale import AutoscalingPolicy
-from router.kv_pricing import TransferRates
+from router.kv_pricing import cluster_rates
 from router.placement import POLICIES, Decision
 from router.replica_router import ClusterHealth, RouterStats
 from router.sampling_params import SamplingParams
@@ -109,7 +109,10 @@ class TandemCluster:
         self.model_path = resolve_model(str(infos[0]["model_path"]), config.cache_dir)
         self.max_model_len = min(int(info["max_model_len"]) for info in infos)  # type: ignore[call-overload]
         self.kv_hash_keys = infos[0]["kv_hash_keys"]
-        self._set_transfer_rates([info["transfer_rates"] for info in infos])
+        # each serving replica's measured rates: pulls are priced over those serving now
+        self.measured_rates = {index: info["transfer_rates"] for index, info in enumerate(infos)}
+        self.pull_bandwidth: float | None = None  # the object store's, measured once
+        self._set_transfer_rates()
         # started once every replica is up, so its first round finds them whole
         self.monitor = ray.remote(ReplicaMonitor).options(**MONITOR_ACTOR_OPTIONS).remote(
             self.replicas, self.router, policy.health_check_period_s,
@@ -120,15 +123,16 @@ class TandemCluster:
             self.autoscaler = ReplicaAutoscaler(self, autoscaling)
             self.autoscaler.start()
 
-    def _set_transfer_rates(self, measured: list) -> None:
-        """Pulls between host tiers are priced from the slowest replica's rates and the
-        object store's bandwidth, measured once; none without host tiers or a second one."""
-        if len(measured) < 2 or any(rates is None for rates in measured):
-            return
-        rates = TransferRates(min(r.prefill_tokens_per_s for r in measured),
-                              min(r.host_copy_bytes_per_s for r in measured),
-                              measured[0].block_bytes, measure_pull_bandwidth(self.router))
+    def _set_transfer_rates(self) -> None:
+        """Pulls between host tiers are priced from the serving replicas' rates (kv_pricing's
+        ``cluster_rates``); set again whenever the autoscaler adds or removes one."""
+        rates = cluster_rates(list(self.measured_rates.values()), self._pull_bandwidth)
         ray.get(self.router.set_rates.remote(rates))
+
+    def _pull_bandwidth(self) -> float:
+        if self.pull_bandwidth is None:
+            self.pull_bandwidth = measure_pull_bandwidth(self.router)
+        return self.pull_bandwidth
 
     def _wait_for_replicas(self, timeout_s: float) -> list:
         """Every replica's info once it is up; past the start timeout the actors started so far
@@ -162,6 +166,16 @@ class TandemCluster:
         ray.get(self.monitor.set_replicas.remote(list(self.replicas)))
         return index, replica.info.remote()
 
+    def replica_serving(self, index: int, info: dict) -> None:
+        """A replica the autoscaler started answers (``info``: what ``ReplicaActor.info``
+        says): its rates count from now on."""
+        if info["kv_hash_keys"] != self.kv_hash_keys:  # another dtype or device, say
+            log.warning("replica %d hashes its blocks with %r, the router with %r: its "
+                        "prefixes will not be found", index, info["kv_hash_keys"],
+                        self.kv_hash_keys)
+        self.measured_rates[index] = info["transfer_rates"]
+        self._set_transfer_rates()
+
     def replica_handles(self) -> dict[int, object]:
         return {index: r for index, r in enumerate(self.replicas) if r is not None}
 
@@ -171,6 +185,8 @@ class TandemCluster:
         once its engine is built)."""
         replica, self.replicas[index] = self.replicas[index], None
         ray.get(self.router.remove_replica.remote(index))
+        self.measured_rates.pop(index, None)  # one that never started has none
+        self._set_transfer_rates()
         ray.get(self.monitor.set_replicas.remote(list(self.replicas)))
         try:
             if started:

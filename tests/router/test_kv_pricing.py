@@ -7,7 +7,14 @@ import pytest
 from kvstore.block_hash import hash_full_blocks
 from kvstore.directory import EventBatch, KVDirectory
 from kvstore.events import HOST, BlockStored
-from router.kv_pricing import PullChoice, TransferRates, cheapest_pull, load_tokens, swap_pays
+from router.kv_pricing import (
+    PullChoice,
+    TransferRates,
+    cheapest_pull,
+    cluster_rates,
+    load_tokens,
+    swap_pays,
+)
 from router.placement import PrefixAffinity, ReplicaLoad, RoutingRequest
 
 BS = 4
@@ -37,6 +44,23 @@ def test_bad_rates_are_refused():
         TransferRates(0.0, 1e6, 1000)
     with pytest.raises(ValueError, match="bad block size or pull rate"):
         TransferRates(1000.0, 1e6, 1000, pull_bytes_per_s=-1.0)
+
+
+def test_the_cluster_prices_pulls_with_its_slowest_serving_replica():
+    asked = []
+
+    def store_rate() -> float:
+        asked.append(1)
+        return 5e5
+
+    fast = TransferRates(2000.0, 1e6, 1000)
+    slow_copy = TransferRates(3000.0, 2e5, 1000)
+    assert cluster_rates([fast, slow_copy], store_rate) == TransferRates(2000.0, 2e5, 1000, 5e5)
+    # one replica, or one without a host tier: nothing to pull, the store not even measured
+    assert cluster_rates([fast], store_rate) is None
+    assert cluster_rates([fast, None], store_rate) is None
+    assert cluster_rates([], store_rate) is None
+    assert len(asked) == 1
 
 
 def test_the_cheapest_pull_goes_to_the_replica_that_saves_most():

@@ -49,9 +49,12 @@ async def complete(cluster, request_id, max_tokens):
 
 def test_load_adds_a_replica_and_a_lighter_load_drains_it_away(ray_session, tiny_models):
     groups_before = created_groups()
+    # host tiers: each replica measures its copy and prefill rates, which price pulls
     cluster = TandemCluster(EngineConfig(model=str(tiny_models["llama"]), device="cpu",
-                                         block_size=4, num_kv_blocks=1024),
+                                         block_size=4, num_kv_blocks=1024,
+                                         host_kv_cache_gb=0.001),
                             num_replicas=1, routing="least-loaded", autoscaling=POLICY)
+    assert list(cluster.measured_rates) == [0]
     # an HTTP ingress replica's view, attached before the cluster grew: it finds the new
     # replica through the router
     view = TandemCluster.attach(cluster.handles())
@@ -92,6 +95,10 @@ def test_load_adds_a_replica_and_a_lighter_load_drains_it_away(ray_session, tiny
             assert (await tick()).reason in ("starting", "within_band", "waiting_to_scale_down")
             await asyncio.sleep(0.1)
         assert [(a.delta, a.replica) for a in autoscaler.history] == [(1, 1)]
+        # serving: its rates count, so pulls between the two get priced
+        assert list(cluster.measured_rates) == [0, 1]
+        assert all(rates.prefill_tokens_per_s > 0 for rates in cluster.measured_rates.values())
+        assert cluster.pull_bandwidth is not None and cluster.pull_bandwidth > 0
         outputs = await asyncio.gather(*step)
         # the lighter load, through the view: one request each (least-loaded: the second goes
         # where the first did not), and the new replica serves its share
@@ -112,6 +119,7 @@ def test_load_adds_a_replica_and_a_lighter_load_drains_it_away(ray_session, tiny
         assert drained_engine.generation_tokens == 400
         await tick(1.0)  # its requests are done: it is removed
         assert cluster.replica_handles().keys() == {0}
+        assert list(cluster.measured_rates) == [0]  # one replica again: nothing to pull
         assert ray.get(cluster.router.stats.remote()).removed == frozenset({1})
         assert created_groups() == groups_before + 1  # its group went with its shard
         assert late == (outputs[0][0][:4], "length")
