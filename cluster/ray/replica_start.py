@@ -17,6 +17,9 @@ from collections.abc import Mapping
 
 import ray
 
+START_ATTEMPTS = 2  # a replica that died before it served is started once more
+DEAD_PROBE_S = 1.0  # a dead actor answers a call with its death at once
+
 
 class ReplicaStartTimeout(RuntimeError):
     """A replica's engine was not built within the start timeout."""
@@ -46,3 +49,23 @@ def wait_for_replicas(ready: Mapping[int, ray.ObjectRef], timeout_s: float) -> l
 def overdue(started_at: float, now: float, timeout_s: float) -> bool:
     """For a replica polled while it starts (the autoscaler's): is it past its time?"""
     return now - started_at > timeout_s
+
+
+def died_before_serving(replicas: Mapping[int, object]) -> list[int]:
+    """The replicas (index -> actor handle) whose process died (not of an error their own
+    constructor raised): each is asked for its info, and a dead one answers with
+    ActorDiedError at once; one still building its engine (or up) is not."""
+    refs = {index: replica.info.remote() for index, replica in replicas.items()}  # type: ignore[attr-defined]
+    done, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=DEAD_PROBE_S)
+    dead = []
+    for index, ref in refs.items():
+        if ref not in done:
+            continue
+        try:
+            ray.get(ref)
+        except ray.exceptions.ActorDiedError as error:
+            if not error.actor_init_failed:  # its constructor's error would come again
+                dead.append(index)
+        except ray.exceptions.RayError:
+            pass
+    return dead

@@ -37,7 +37,12 @@ from cluster.ray.placement import check_placeable, shard_bundle
 from cluster.ray.refusals import Draining, Overloaded, Unavailable
 from cluster.ray.replica import REPLICA_ACTOR_OPTIONS, ReplicaActor
 from cluster.ray.replica_monitor import MONITOR_ACTOR_OPTIONS, ReplicaMonitor
-from cluster.ray.replica_start import ReplicaStartTimeout, wait_for_replicas
+from cluster.ray.replica_start import (
+    START_ATTEMPTS,
+    ReplicaStartTimeout,
+    died_before_serving,
+    wait_for_replicas,
+)
 from cluster.ray.replica_streams import ReplicaStream
 from cluster.ray.router_actor import ROUTER_ACTOR_OPTIONS, RouterActor
 from cluster.ray.serving_policy import ServingPolicy
@@ -100,11 +105,7 @@ class TandemCluster:
         self.router = ray.remote(RouterActor).options(**ROUTER_ACTOR_OPTIONS).remote(
             num_replicas, routing, policy.admission
         )
-        self.replicas = [
-            ray.remote(ReplicaActor).options(**REPLICA_ACTOR_OPTIONS).remote(
-                config, index, self.router)
-            for index in range(num_replicas)
-        ]
+        self.replicas = [self._replica_actor(index) for index in range(num_replicas)]
         infos = self._wait_for_replicas(policy.replica_start_timeout_s)
         self.model_path = resolve_model(str(infos[0]["model_path"]), config.cache_dir)
         self.max_model_len = min(int(info["max_model_len"]) for info in infos)  # type: ignore[call-overload]
@@ -134,17 +135,40 @@ class TandemCluster:
             self.pull_bandwidth = measure_pull_bandwidth(self.router)
         return self.pull_bandwidth
 
+    def _replica_actor(self, index: int):
+        return ray.remote(ReplicaActor).options(**REPLICA_ACTOR_OPTIONS).remote(
+            self.config, index, self.router)
+
     def _wait_for_replicas(self, timeout_s: float) -> list:
-        """Every replica's info once it is up; past the start timeout the actors started so far
-        are stopped (their pending placement groups go with them) and the error raised."""
-        try:
-            return wait_for_replicas({index: replica.info.remote()
-                                      for index, replica in enumerate(self.replicas)},
-                                     timeout_s)
-        except ReplicaStartTimeout:
-            for actor in [*self.replicas, self.router]:
-                ray.kill(actor)
-            raise
+        """Every replica's info once it is up. A replica whose process died before its engine
+        was built (its node lost, its worker never started: Ray does not restart an actor
+        that never ran) is started again, ``START_ATTEMPTS`` times in all. Past the start
+        timeout, or out of attempts, the actors started so far are stopped (their pending
+        placement groups go with them) and the error raised."""
+        for attempt in range(1, START_ATTEMPTS + 1):
+            try:
+                return self._wait_once(timeout_s)
+            except ray.exceptions.ActorDiedError as error:
+                dead = died_before_serving(dict(enumerate(self.replicas)))
+                if attempt == START_ATTEMPTS or not dead:
+                    self._kill_all()
+                    raise
+                log.warning("replica %s died before it served (%s); starting it again",
+                            ", ".join(map(str, dead)), error.__class__.__name__)
+                for index in dead:
+                    self.replicas[index] = self._replica_actor(index)
+            except ReplicaStartTimeout:
+                self._kill_all()
+                raise
+        raise AssertionError("unreachable")
+
+    def _wait_once(self, timeout_s: float) -> list:
+        return wait_for_replicas({index: replica.info.remote()
+                                  for index, replica in enumerate(self.replicas)}, timeout_s)
+
+    def _kill_all(self) -> None:
+        for actor in [*self.replicas, self.router]:
+            ray.kill(actor)
 
     def handles(self) -> ClusterHandles:
         return ClusterHandles(list(self.replicas), self.router, str(self.model_path),

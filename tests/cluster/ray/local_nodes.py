@@ -111,6 +111,21 @@ class LocalNodes:
         os.environ.update(ENV)
         ray.init(address=self.address, log_to_driver=False)
 
+    def log_tail(self, num_lines: int = 25) -> str:
+        """What a failed scenario needs to be read: the last lines of the autoscaler's log and
+        the warnings and errors of the raylets and the GCS (before ``stop`` removes them)."""
+        logs = sorted(Path(self.temp_dir).glob("session_*/logs"))
+        if not logs:
+            return "(no Ray logs)"
+        parts = []
+        for path in sorted(logs[-1].glob("monitor.log")) + sorted(logs[-1].glob("raylet*.out")) \
+                + sorted(logs[-1].glob("gcs_server.out")):
+            lines = path.read_text(errors="replace").splitlines()
+            if path.name != "monitor.log":  # only what went wrong
+                lines = [line for line in lines if " E " in line or " W " in line]
+            parts.append(f"== {path.name}\n" + "\n".join(lines[-num_lines:]))
+        return "\n".join(parts)
+
     def _leftovers(self) -> list[int]:
         """Processes still running in this cluster's temp dir: a node the fake autoscaler had
         started and not yet returned, or one that outlived its ``ray start``."""

@@ -21,6 +21,7 @@ import asyncio
 import json
 import sys
 import time
+import traceback
 
 import ray
 
@@ -172,6 +173,10 @@ def main(model: str, out: str) -> None:
             start = timed(report, "autoscaling", start)
         finally:
             cluster.shutdown()
+    except BaseException:
+        report["error"] = traceback.format_exc()
+        report["ray_logs"] = nodes.log_tail()
+        raise
     finally:
         ray.shutdown()
         nodes.stop()

@@ -23,9 +23,11 @@ ROOT = Path(__file__).resolve().parents[3]
 def scenario(model: Path, report: Path) -> dict:
     run = subprocess.run([sys.executable, "-m", "tests.cluster.ray.nodes_scenario", str(model),
                           str(report)], cwd=ROOT, capture_output=True, text=True, timeout=400)
-    # the scenario's own traceback, not Ray's start-up chatter before it
-    assert run.returncode == 0, run.stderr[max(0, run.stderr.rfind("Traceback")):][-3000:]
-    return json.loads(report.read_text())
+    found = json.loads(report.read_text()) if report.exists() else {}
+    # the scenario's own traceback and Ray's logs of it, not Ray's start-up chatter
+    assert run.returncode == 0, (found.get("error") or run.stderr[-2000:])[-2000:] + "\n" + (
+        found.get("ray_logs") or "")[-4000:]
+    return found
 
 
 def test_replicas_on_two_nodes_and_a_gpu_node_that_comes_and_goes_with_the_load(tiny_models,

@@ -94,3 +94,38 @@ def test_the_autoscaler_removes_a_replica_that_does_not_start_in_time(ray_sessio
         if holder is not None:
             remove_placement_group(holder)
     until(lambda: pending_groups() == 0)
+
+
+def test_a_replica_that_dies_before_it_serves_is_started_again(ray_session, tiny_models,
+                                                               monkeypatch, caplog):
+    """Its process killed while the cluster waits for it (as a lost node or a worker that
+    never started would): the cluster starts it once more and comes up with both."""
+    killed = []
+    wait_once = TandemCluster._wait_once
+
+    def kill_replica_1_first(self, timeout_s):
+        if not killed:
+            killed.append(self.replicas[1])
+            ray.kill(self.replicas[1], no_restart=True)
+        return wait_once(self, timeout_s)
+
+    monkeypatch.setattr(TandemCluster, "_wait_once", kill_replica_1_first)
+    cluster = TandemCluster(config(tiny_models), num_replicas=2)
+    try:
+        assert cluster.replicas[1] is not killed[0]  # a new actor in its place
+        assert "replica 1 died before it served (ActorDiedError); starting it again" in caplog.text
+        for replica in cluster.replicas:
+            assert ray.get(replica.info.remote())["max_model_len"] > 0
+    finally:
+        cluster.shutdown()
+
+
+def test_a_replica_whose_engine_fails_to_build_is_not_tried_again(ray_session, tmp_path,
+                                                                  caplog):
+    """A constructor's own error (a model folder that is no model) would come again: it is
+    raised at once, after one attempt."""
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ray.exceptions.ActorDiedError) as error:
+        TandemCluster(EngineConfig(model=str(tmp_path), device="cpu"), num_replicas=1)
+    assert error.value.actor_init_failed
+    assert "starting it again" not in caplog.text
