@@ -17,8 +17,7 @@ from collections.abc import Mapping
 
 import ray
 
-START_ATTEMPTS = 2  # a replica that died before it served is started once more
-DEAD_PROBE_S = 1.0  # a dead actor answers a call with its death at once
+START_ATTEMPTS = 3  # a replica that died before it served is started twice more
 
 
 class ReplicaStartTimeout(RuntimeError):
@@ -33,39 +32,42 @@ def late_message(indices: list[int], timeout_s: float) -> str:
             "nodes take longer to arrive")
 
 
+class ReplicasDied(RuntimeError):
+    """Replicas whose process died before their engine was built, not of an error their own
+    constructor raised (that one would come again): a lost node, a worker that never started,
+    an actor Ray cancelled before it ran. ``error``: the first one's, raised once the cluster
+    gives up on starting them."""
+
+    def __init__(self, died: Mapping[int, ray.exceptions.ActorDiedError]) -> None:
+        super().__init__(f"replica {', '.join(map(str, died))} died before it served")
+        self.indices = list(died)
+        self.error = next(iter(died.values()))
+
+
 def wait_for_replicas(ready: Mapping[int, ray.ObjectRef], timeout_s: float) -> list:
     """Each replica's ``info()`` once its engine is built, in ``ready``'s order; raises
-    ``ReplicaStartTimeout`` naming every replica not up after ``timeout_s``, and the error
-    one of them raised while starting if one failed."""
+    ``ReplicaStartTimeout`` naming every replica not up after ``timeout_s``, the error a
+    replica's constructor raised if one failed, else ``ReplicasDied`` naming those whose
+    process died (each answers at once, so all are known)."""
     refs = list(ready.values())
     done, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
     finished = set(done)
     late = [index for index, ref in ready.items() if ref not in finished]
     if late:
         raise ReplicaStartTimeout(late_message(late, timeout_s))
-    return ray.get(refs)
+    infos, died = [], {}
+    for index, ref in ready.items():
+        try:
+            infos.append(ray.get(ref))
+        except ray.exceptions.ActorDiedError as error:
+            if error.actor_init_failed:
+                raise
+            died[index] = error
+    if died:
+        raise ReplicasDied(died)
+    return infos
 
 
 def overdue(started_at: float, now: float, timeout_s: float) -> bool:
     """For a replica polled while it starts (the autoscaler's): is it past its time?"""
     return now - started_at > timeout_s
-
-
-def died_before_serving(replicas: Mapping[int, object]) -> list[int]:
-    """The replicas (index -> actor handle) whose process died (not of an error their own
-    constructor raised): each is asked for its info, and a dead one answers with
-    ActorDiedError at once; one still building its engine (or up) is not."""
-    refs = {index: replica.info.remote() for index, replica in replicas.items()}  # type: ignore[attr-defined]
-    done, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=DEAD_PROBE_S)
-    dead = []
-    for index, ref in refs.items():
-        if ref not in done:
-            continue
-        try:
-            ray.get(ref)
-        except ray.exceptions.ActorDiedError as error:
-            if not error.actor_init_failed:  # its constructor's error would come again
-                dead.append(index)
-        except ray.exceptions.RayError:
-            pass
-    return dead

@@ -39,8 +39,7 @@ from cluster.ray.replica import REPLICA_ACTOR_OPTIONS, ReplicaActor
 from cluster.ray.replica_monitor import MONITOR_ACTOR_OPTIONS, ReplicaMonitor
 from cluster.ray.replica_start import (
     START_ATTEMPTS,
-    ReplicaStartTimeout,
-    died_before_serving,
+    ReplicasDied,
     wait_for_replicas,
 )
 from cluster.ray.replica_streams import ReplicaStream
@@ -145,22 +144,22 @@ class TandemCluster:
         that never ran) is started again, ``START_ATTEMPTS`` times in all. Past the start
         timeout, or out of attempts, the actors started so far are stopped (their pending
         placement groups go with them) and the error raised."""
-        for attempt in range(1, START_ATTEMPTS + 1):
+        attempt = 1
+        while True:
             try:
                 return self._wait_once(timeout_s)
-            except ray.exceptions.ActorDiedError as error:
-                dead = died_before_serving(dict(enumerate(self.replicas)))
-                if attempt == START_ATTEMPTS or not dead:
+            except ReplicasDied as died:
+                if attempt == START_ATTEMPTS:
                     self._kill_all()
-                    raise
-                log.warning("replica %s died before it served (%s); starting it again",
-                            ", ".join(map(str, dead)), error.__class__.__name__)
-                for index in dead:
+                    raise died.error from None
+                log.warning("%s (%s); starting it again", died,
+                            str(died.error).strip().splitlines()[-1])
+                for index in died.indices:
                     self.replicas[index] = self._replica_actor(index)
-            except ReplicaStartTimeout:
+            except BaseException:
                 self._kill_all()
                 raise
-        raise AssertionError("unreachable")
+            attempt += 1
 
     def _wait_once(self, timeout_s: float) -> list:
         return wait_for_replicas({index: replica.info.remote()

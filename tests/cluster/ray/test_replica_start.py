@@ -6,6 +6,7 @@ replica's group is feasible and pending: what a cluster waiting for a node that 
 looks like.
 """
 
+import re
 import time
 
 import pytest
@@ -14,7 +15,7 @@ from ray.util import placement_group_table
 from ray.util.placement_group import placement_group, remove_placement_group
 
 from cluster import EngineConfig
-from cluster.ray.replica_start import ReplicaStartTimeout
+from cluster.ray.replica_start import START_ATTEMPTS, ReplicaStartTimeout
 from cluster.ray.serving_policy import ServingPolicy
 from cluster.ray.tandem_cluster import TandemCluster
 from router.autoscale import AutoscalingPolicy
@@ -113,11 +114,32 @@ def test_a_replica_that_dies_before_it_serves_is_started_again(ray_session, tiny
     cluster = TandemCluster(config(tiny_models), num_replicas=2)
     try:
         assert cluster.replicas[1] is not killed[0]  # a new actor in its place
-        assert "replica 1 died before it served (ActorDiedError); starting it again" in caplog.text
+        # with the last line of Ray's word on its death
+        assert re.search(r"replica 1 died before it served \(The actor .+\); starting it again",
+                         caplog.text)
         for replica in cluster.replicas:
             assert ray.get(replica.info.remote())["max_model_len"] > 0
     finally:
         cluster.shutdown()
+
+
+def test_a_replica_that_dies_at_every_start_fails_after_the_last_attempt(ray_session,
+                                                                       tiny_models,
+                                                                       monkeypatch, caplog):
+    killed = []
+    wait_once = TandemCluster._wait_once
+
+    def kill_replica_0(self, timeout_s):
+        killed.append(self.replicas[0])
+        ray.kill(self.replicas[0], no_restart=True)
+        return wait_once(self, timeout_s)
+
+    monkeypatch.setattr(TandemCluster, "_wait_once", kill_replica_0)
+    with pytest.raises(ray.exceptions.ActorDiedError) as error:
+        TandemCluster(config(tiny_models), num_replicas=1)
+    assert not error.value.actor_init_failed
+    assert len(killed) == START_ATTEMPTS == 3 and len(set(map(id, killed))) == 3
+    assert caplog.text.count("replica 0 died before it served") == 2
 
 
 def test_a_replica_whose_engine_fails_to_build_is_not_tried_again(ray_session, tmp_path,
