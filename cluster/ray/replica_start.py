@@ -1,4 +1,4 @@
-"""How long a replica may take to come up: a readiness timeout, nothing more.
+"""Bringing replicas up: a readiness timeout, and another try for one whose process died.
 
 A replica is up when its engine is built: its shards' placement group has found a node, the
 shards have started and loaded the weights, and the KV cache is allocated. On a cluster
@@ -8,14 +8,22 @@ cannot launch, a quota, a shard stuck at start-up) must end in an error that say
 the caller can see it, instead of a hang. Whether a group could be placed at all (more GPUs
 than any node has) is another check's question: this one only bounds the wait.
 
+A replica whose process died before it served (a node lost as it started, a worker that
+never started, an actor Ray cancelled before it ran) would come up on another try: Ray does
+not restart an actor that never ran, so ``start_replicas`` does. A constructor's own error (a
+folder that is no model) is raised at once: it would come again.
+
 The timeout is ``ServingPolicy.replica_start_timeout_s`` (``--replica-start-timeout``).
 Killing a late replica also removes its placement group (Ray removes a group with the actor
 that made it), so a pending group does not keep asking for a node nobody waits for.
 """
 
-from collections.abc import Mapping
+import logging
+from collections.abc import Callable, Mapping
 
 import ray
+
+log = logging.getLogger(__name__)
 
 START_ATTEMPTS = 3  # a replica that died before it served is started twice more
 
@@ -71,3 +79,25 @@ def wait_for_replicas(ready: Mapping[int, ray.ObjectRef], timeout_s: float) -> l
 def overdue(started_at: float, now: float, timeout_s: float) -> bool:
     """For a replica polled while it starts (the autoscaler's): is it past its time?"""
     return now - started_at > timeout_s
+
+
+def start_replicas(replicas: list, start_again: Callable[[int], object],
+                   timeout_s: float) -> list:
+    """Every replica's info once it is up. A replica whose process died before its engine
+    was built (its node lost, its worker never started: Ray does not restart an actor that
+    never ran) is started again with ``start_again(index)``, which replaces it in
+    ``replicas``; ``START_ATTEMPTS`` in all, then its death is raised. The caller stops the
+    actors on any error (their pending placement groups go with them)."""
+    attempt = 1
+    while True:
+        try:
+            return wait_for_replicas({index: replica.info.remote()
+                                      for index, replica in enumerate(replicas)}, timeout_s)
+        except ReplicasDied as died:
+            if attempt == START_ATTEMPTS:
+                raise died.error from None
+            log.warning("%s (%s); starting it again", died,
+                        str(died.error).strip().splitlines()[-1])
+            for index in died.indices:
+                replicas[index] = start_again(index)
+        attempt += 1

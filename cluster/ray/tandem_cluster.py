@@ -37,11 +37,7 @@ from cluster.ray.placement import check_placeable, shard_bundle
 from cluster.ray.refusals import Draining, Overloaded, Unavailable
 from cluster.ray.replica import REPLICA_ACTOR_OPTIONS, ReplicaActor
 from cluster.ray.replica_monitor import MONITOR_ACTOR_OPTIONS, ReplicaMonitor
-from cluster.ray.replica_start import (
-    START_ATTEMPTS,
-    ReplicasDied,
-    wait_for_replicas,
-)
+from cluster.ray.replica_start import start_replicas
 from cluster.ray.replica_streams import ReplicaStream
 from cluster.ray.router_actor import ROUTER_ACTOR_OPTIONS, RouterActor
 from cluster.ray.serving_policy import ServingPolicy
@@ -105,7 +101,12 @@ class TandemCluster:
             num_replicas, routing, policy.admission
         )
         self.replicas = [self._replica_actor(index) for index in range(num_replicas)]
-        infos = self._wait_for_replicas(policy.replica_start_timeout_s)
+        try:
+            infos = start_replicas(self.replicas, self._replica_actor,
+                                   policy.replica_start_timeout_s)
+        except BaseException:  # a late replica is killed, and its pending group with it
+            self._kill_all()
+            raise
         self.model_path = resolve_model(str(infos[0]["model_path"]), config.cache_dir)
         self.max_model_len = min(int(info["max_model_len"]) for info in infos)  # type: ignore[call-overload]
         self.kv_hash_keys = infos[0]["kv_hash_keys"]
@@ -138,33 +139,6 @@ class TandemCluster:
         return ray.remote(ReplicaActor).options(**REPLICA_ACTOR_OPTIONS).remote(
             self.config, index, self.router)
 
-    def _wait_for_replicas(self, timeout_s: float) -> list:
-        """Every replica's info once it is up. A replica whose process died before its engine
-        was built (its node lost, its worker never started: Ray does not restart an actor
-        that never ran) is started again, ``START_ATTEMPTS`` times in all. Past the start
-        timeout, or out of attempts, the actors started so far are stopped (their pending
-        placement groups go with them) and the error raised."""
-        attempt = 1
-        while True:
-            try:
-                return self._wait_once(timeout_s)
-            except ReplicasDied as died:
-                if attempt == START_ATTEMPTS:
-                    self._kill_all()
-                    raise died.error from None
-                log.warning("%s (%s); starting it again", died,
-                            str(died.error).strip().splitlines()[-1])
-                for index in died.indices:
-                    self.replicas[index] = self._replica_actor(index)
-            except BaseException:
-                self._kill_all()
-                raise
-            attempt += 1
-
-    def _wait_once(self, timeout_s: float) -> list:
-        return wait_for_replicas({index: replica.info.remote()
-                                  for index, replica in enumerate(self.replicas)}, timeout_s)
-
     def _kill_all(self) -> None:
         for actor in [*self.replicas, self.router]:
             ray.kill(actor)
@@ -181,8 +155,7 @@ class TandemCluster:
         that resolves once its engine is built."""
         index = ray.get(self.router.add_replica.remote())
         assert index == len(self.replicas), (index, len(self.replicas))
-        replica = ray.remote(ReplicaActor).options(**REPLICA_ACTOR_OPTIONS).remote(
-            self.config, index, self.router)
+        replica = self._replica_actor(index)
         self.replicas.append(replica)
         ray.get(self.router.sync_replicas.remote(self.replica_handles()))
         # watched from now: down (degraded health) until its engine answers

@@ -102,15 +102,16 @@ def test_a_replica_that_dies_before_it_serves_is_started_again(ray_session, tiny
     """Its process killed while the cluster waits for it (as a lost node or a worker that
     never started would): the cluster starts it once more and comes up with both."""
     killed = []
-    wait_once = TandemCluster._wait_once
+    replica_actor = TandemCluster._replica_actor
 
-    def kill_replica_1_first(self, timeout_s):
-        if not killed:
-            killed.append(self.replicas[1])
-            ray.kill(self.replicas[1], no_restart=True)
-        return wait_once(self, timeout_s)
+    def kill_replica_1_first(self, index):
+        replica = replica_actor(self, index)
+        if index == 1 and not killed:
+            killed.append(replica)
+            ray.kill(replica, no_restart=True)
+        return replica
 
-    monkeypatch.setattr(TandemCluster, "_wait_once", kill_replica_1_first)
+    monkeypatch.setattr(TandemCluster, "_replica_actor", kill_replica_1_first)
     cluster = TandemCluster(config(tiny_models), num_replicas=2)
     try:
         assert cluster.replicas[1] is not killed[0]  # a new actor in its place
@@ -127,14 +128,15 @@ def test_a_replica_that_dies_at_every_start_fails_after_the_last_attempt(ray_ses
                                                                        tiny_models,
                                                                        monkeypatch, caplog):
     killed = []
-    wait_once = TandemCluster._wait_once
+    replica_actor = TandemCluster._replica_actor
 
-    def kill_replica_0(self, timeout_s):
-        killed.append(self.replicas[0])
-        ray.kill(self.replicas[0], no_restart=True)
-        return wait_once(self, timeout_s)
+    def kill_each_one(self, index):
+        replica = replica_actor(self, index)
+        killed.append(replica)
+        ray.kill(replica, no_restart=True)
+        return replica
 
-    monkeypatch.setattr(TandemCluster, "_wait_once", kill_replica_0)
+    monkeypatch.setattr(TandemCluster, "_replica_actor", kill_each_one)
     with pytest.raises(ray.exceptions.ActorDiedError) as error:
         TandemCluster(config(tiny_models), num_replicas=1)
     assert not error.value.actor_init_failed
