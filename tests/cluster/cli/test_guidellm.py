@@ -8,7 +8,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from cluster import environment
 from tests.cluster.cli.conftest import SERVED_MODEL
@@ -45,20 +47,38 @@ def run_guidellm(url: str, request_format: str, profile: str, report: Path) -> d
     return benchmark
 
 
+def finished_by_length(url: str) -> float:
+    """Requests the server finished at their max_tokens, over all its replicas."""
+    return sum(sample.value for family in text_string_to_metric_families(
+        httpx.get(f"{url}/metrics").text) for sample in family.samples
+        if sample.name == "tandem:request_success_total"
+        and sample.labels.get("finished_reason") == "length")
+
+
 @pytest.mark.parametrize(("request_format", "profile"), [
     ("/v1/chat/completions", "kind=synchronous"),
     ("/v1/completions", "kind=concurrent,streams=3"),
 ])
 def test_guidellm_benchmark_reports_every_request_complete(served_url, tmp_path, request_format,
                                                             profile):
+    before = finished_by_length(served_url)
     benchmark = run_guidellm(served_url, request_format, profile, tmp_path / "report.json")
+    # guidellm's scheduler made every request, and the server finished each of them
+    scheduled = benchmark["scheduler_state"]
+    kinds = ("created", "processed", "successful", "errored", "cancelled")
+    assert [scheduled[f"{kind}_requests"] for kind in kinds] == [NUM_REQUESTS] * 3 + [0, 0]
+    assert finished_by_length(served_url) - before == NUM_REQUESTS
     metrics = benchmark["metrics"]
-    assert metrics["request_totals"] == {"successful": NUM_REQUESTS, "errored": 0,
-                                         "incomplete": 0, "total": NUM_REQUESTS}
+    # its report may leave out the last one, whose completion it can take as past the end
+    # of measurement on a busy machine (guidellm's accounting: seen in a full-suite run)
+    counted = metrics["request_totals"]["total"]
+    assert counted in (NUM_REQUESTS - 1, NUM_REQUESTS)
+    assert metrics["request_totals"] == {"successful": counted, "errored": 0,
+                                         "incomplete": 0, "total": counted}
     requests = benchmark["requests"]["successful"]
-    assert len(requests) == NUM_REQUESTS
+    assert len(requests) == counted
     # guidellm sends ignore_eos, so every request generates exactly its output length
-    assert [request["output_tokens"] for request in requests] == [OUTPUT_TOKENS] * NUM_REQUESTS
+    assert [request["output_tokens"] for request in requests] == [OUTPUT_TOKENS] * counted
     prompt_tokens = {request["prompt_tokens"] for request in requests}
     if request_format == "/v1/completions":
         # the server's usage counts the prompt as guidellm's tokenizer built it
@@ -73,5 +93,5 @@ def test_guidellm_benchmark_reports_every_request_complete(served_url, tmp_path,
     for name in ("request_latency", "time_to_first_token_ms", "inter_token_latency_ms"):
         successful = metrics[name]["successful"]
         assert successful["count"] > 0 and successful["min"] > 0, name
-    assert metrics["time_to_first_token_ms"]["successful"]["count"] == NUM_REQUESTS
-    assert metrics["output_token_count"]["successful"]["total_sum"] == NUM_REQUESTS * OUTPUT_TOKENS
+    assert metrics["time_to_first_token_ms"]["successful"]["count"] == counted
+    assert metrics["output_token_count"]["successful"]["total_sum"] == counted * OUTPUT_TOKENS

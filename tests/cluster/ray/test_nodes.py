@@ -7,6 +7,7 @@ Every request's tokens are checked against the engine run in this process.
 """
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -21,8 +22,13 @@ ROOT = Path(__file__).resolve().parents[3]
 
 
 def scenario(model: Path, report: Path) -> dict:
+    # none of this session's Ray settings: its ray.init set RAY_AUTH_MODE=token, and a driver
+    # started with it on a cluster without auth has every actor it creates destroyed before
+    # it runs ("all references to the actor were removed")
+    env = {key: value for key, value in os.environ.items() if not key.startswith("RAY_")}
     run = subprocess.run([sys.executable, "-m", "tests.cluster.ray.nodes_scenario", str(model),
-                          str(report)], cwd=ROOT, capture_output=True, text=True, timeout=400)
+                          str(report)], cwd=ROOT, capture_output=True, text=True, timeout=400,
+                         env=env)
     found = json.loads(report.read_text()) if report.exists() else {}
     # the scenario's own traceback and Ray's logs of it, not Ray's start-up chatter
     assert run.returncode == 0, (found.get("error") or run.stderr[-2000:])[-2000:] + "\n" + (
