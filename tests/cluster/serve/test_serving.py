@@ -15,6 +15,7 @@ import pytest
 import ray
 from prometheus_client.parser import text_string_to_metric_families
 from ray import serve
+from ray.serve.api import RunTarget
 
 from cluster.serve.app import server_app
 from cluster.serve.config import ServeConfig
@@ -43,10 +44,12 @@ def base_url():
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     common = dict(model=MODEL, device="cpu", dtype="float32", num_kv_blocks=96,
                   max_model_len=256, max_body_bytes=64 << 10)
-    serve.run(server_app(ServeConfig(**common, api_key=None)), name="open", route_prefix="/")
-    # two HTTP replicas in front of one engine replica
-    serve.run(server_app(ServeConfig(**common, api_key=API_KEY, ingress_replicas=2)),
-              name="keyed", route_prefix="/keyed")
+    serve.run_many([  # deployed at once
+        RunTarget(server_app(ServeConfig(**common, api_key=None)), name="open",
+                  route_prefix="/"),
+        # two HTTP replicas in front of one engine replica
+        RunTarget(server_app(ServeConfig(**common, api_key=API_KEY, ingress_replicas=2)),
+                  name="keyed", route_prefix="/keyed")])
     yield f"http://127.0.0.1:{port}"
     serve.shutdown()
     if started_ray:
