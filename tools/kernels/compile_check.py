@@ -12,6 +12,7 @@ wrapper runs on CPU tensors, and the launch is replaced by a compile.
 
 import functools
 import inspect
+import multiprocessing
 import os
 import sys
 from collections.abc import Callable
@@ -56,10 +57,13 @@ def specialized_as_aligned(param, value: object) -> bool:
 
 
 class Compiler:
-    """Stands in for JITFunction.run: compiles each distinct launch once, launches nothing."""
+    """Stands in for JITFunction.run: records each distinct launch once, launches nothing;
+    ``compile_all`` then compiles them, on every core (a cold Triton cache takes ~90 s on
+    two)."""
 
     def __init__(self) -> None:
         self.done: dict[tuple, str] = {}
+        self.pending: list[tuple] = []  # (kernel, signature, constexprs, attrs, options)
 
     def run(self, kernel: JITFunction, *args, grid, warmup, **kwargs) -> None:
         launch = ("num_warps", "num_stages")
@@ -78,10 +82,32 @@ class Compiler:
         key = (kernel.__name__, tuple(signature.items()), tuple(constexprs.items()),
                tuple(options.items()), tuple(attrs))
         if key not in self.done:
-            triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=TARGET,
-                           options=options)
+            self.pending.append((kernel, signature, constexprs, attrs, options))
             pointers = sorted({t for t in signature.values() if t.startswith("*")})
             self.done[key] = f"{kernel.__name__} {','.join(pointers)} {constexprs} {options}"
+
+
+    def compile_all(self) -> None:
+        # forked workers inherit the launches (kernels do not pickle); each compiles some
+        LAUNCHES[:] = self.pending
+        with multiprocessing.get_context("fork").Pool(os.cpu_count()) as pool:
+            errors = pool.map(compile_one, range(len(LAUNCHES)))
+        failed = [error for error in errors if error is not None]
+        if failed:
+            raise SystemExit("\n".join(failed))
+
+
+LAUNCHES: list[tuple] = []  # Compiler.pending, as the forked workers find it
+
+
+def compile_one(index: int) -> str | None:
+    kernel, signature, constexprs, attrs, options = LAUNCHES[index]
+    try:
+        triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=TARGET,
+                       options=options)
+    except Exception as error:
+        return f"{kernel.__name__} {constexprs}: {type(error).__name__}: {error}"
+    return None
 
 
 def call(what: str, wrapper: Callable, *args, **kwargs) -> None:
@@ -225,6 +251,7 @@ def main() -> None:
         compile_all()
     finally:
         JITFunction.run = original  # type: ignore[method-assign]
+    compiler.compile_all()
     for line in sorted(compiler.done.values()):
         print(line)
     print(f"{len(compiler.done)} kernel variants compiled for sm_90")
