@@ -5,8 +5,10 @@ None on the CPU: there is no device to read, and /metrics then has no GPU sample
 """
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -18,7 +20,9 @@ class DeviceStats:
     memory_reserved_bytes: int  # this shard's PyTorch allocator: weights, KV cache, activations
 
 
-def read_device_stats(device: torch.device, rank: int) -> DeviceStats | None:
+def read_device_stats(device: "torch.device", rank: int) -> DeviceStats | None:
+    import torch  # here: DeviceStats is read where torch is not loaded (the monitor actor)
+
     if device.type != "cuda":
         return None
     free, total = torch.cuda.mem_get_info(device)
