@@ -1,4 +1,5 @@
-"""Routing end to end over HTTP: two replicas of the default model, W4-style groups (a shared
+"""Routing end to end over HTTP: two replicas of a tiny random model (the default model's
+tokenizer: what is routed is prompt blocks, whatever the weights), W4-style groups (a shared
 prefix, different questions). With prefix affinity the groups' later requests find their
 prefix cached; round-robin is measured beside it, in the same test (both apps deployed at
 once, each with its own two engine replicas). The policies themselves, least-loaded too, are
@@ -18,7 +19,7 @@ from cluster.serve.config import ServeConfig
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
-MODEL = "smollm2-135m-instruct"
+MODEL = "tiny-chat"  # the served name
 NUM_GROUPS, LATER, PREFIX_LEN, BLOCK = 6, 3, 160, 16
 
 
@@ -58,15 +59,17 @@ async def later_hit_share(base_url: str, route: str) -> float:
     return found / (NUM_GROUPS * LATER * PREFIX_LEN)
 
 
-def test_prefix_affinity_finds_the_groups_prefixes_and_the_others_split_them(ray_session):
+def test_prefix_affinity_finds_the_groups_prefixes_and_the_others_split_them(ray_session,
+                                                                            tiny_chat_model):
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     policies = ("prefix-affinity", "round-robin")
     try:
         serve.run_many([RunTarget(server_app(ServeConfig(
-            model=MODEL, device="cpu", dtype="float32", num_replicas=2, num_kv_blocks=320,
-            max_model_len=256, routing=routing, api_key=None)), name=routing,
-            route_prefix=f"/{routing}") for routing in policies])
+            model=str(tiny_chat_model), served_model_name=MODEL, device="cpu",
+            dtype="float32", num_replicas=2, num_kv_blocks=320, max_model_len=256,
+            routing=routing, api_key=None)), name=routing, route_prefix=f"/{routing}")
+            for routing in policies])
         shares = {routing: asyncio.run(later_hit_share(f"http://127.0.0.1:{port}", routing))
                   for routing in policies}
     finally:
