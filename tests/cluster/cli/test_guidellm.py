@@ -8,12 +8,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from cluster import environment
 from tests.cluster.cli.conftest import SERVED_MODEL
+from tests.metrics_scrape import scrape
 from workers.catalog import model_dir
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -21,6 +20,8 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]
 NUM_REQUESTS = 6
 PROMPT_TOKENS = 32
 OUTPUT_TOKENS = 8
+# requests the server finished at their max_tokens, over all its replicas
+FINISHED_BY_LENGTH = "tandem:request_success_total{finished_reason=length}"
 
 
 def run_guidellm(url: str, request_format: str, profile: str, report: Path) -> dict:
@@ -47,27 +48,19 @@ def run_guidellm(url: str, request_format: str, profile: str, report: Path) -> d
     return benchmark
 
 
-def finished_by_length(url: str) -> float:
-    """Requests the server finished at their max_tokens, over all its replicas."""
-    return sum(sample.value for family in text_string_to_metric_families(
-        httpx.get(f"{url}/metrics").text) for sample in family.samples
-        if sample.name == "tandem:request_success_total"
-        and sample.labels.get("finished_reason") == "length")
-
-
 @pytest.mark.parametrize(("request_format", "profile"), [
     ("/v1/chat/completions", "kind=synchronous"),
     ("/v1/completions", "kind=concurrent,streams=3"),
 ])
 def test_guidellm_benchmark_reports_every_request_complete(served_url, tmp_path, request_format,
                                                             profile):
-    before = finished_by_length(served_url)
+    before = scrape(served_url)[FINISHED_BY_LENGTH]
     benchmark = run_guidellm(served_url, request_format, profile, tmp_path / "report.json")
     # guidellm's scheduler made every request, and the server finished each of them
     scheduled = benchmark["scheduler_state"]
     kinds = ("created", "processed", "successful", "errored", "cancelled")
     assert [scheduled[f"{kind}_requests"] for kind in kinds] == [NUM_REQUESTS] * 3 + [0, 0]
-    assert finished_by_length(served_url) - before == NUM_REQUESTS
+    assert scrape(served_url)[FINISHED_BY_LENGTH] - before == NUM_REQUESTS
     metrics = benchmark["metrics"]
     # its report may leave out the last one, whose completion it can take as past the end
     # of measurement on a busy machine (guidellm's accounting: seen in a full-suite run)

@@ -20,6 +20,7 @@ from ray.serve.api import RunTarget
 from cluster.serve.app import server_app
 from cluster.serve.config import ServeConfig
 from cluster.serve.prometheus import METRIC_NAMES
+from tests.metrics_scrape import scrape
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -63,19 +64,6 @@ def client(base_url):
 
 def greedy(**extra):
     return dict(model=MODEL, temperature=0.0, **extra)
-
-
-def scrape(base_url) -> dict[str, float]:
-    """Sample name and labels -> value, over all replicas."""
-    text = httpx.get(f"{base_url}/metrics").text
-    values = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items())
-                              if k not in ("model_name", "replica"))
-            key = f"{sample.name}{{{labels}}}"
-            values[key] = values.get(key, 0.0) + sample.value
-    return values
 
 
 def test_completion_and_usage(client):
