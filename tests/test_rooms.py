@@ -116,3 +116,40 @@ def test_every_tool_is_listed_with_its_purpose_and_command():
     tools = sorted(rel(p) for p in (ROOT / "tools").rglob("*") if p.suffix in (".py", ".sh")
                    and p.name != "__init__.py")
     assert tools and [t for t in tools if f"`{t}`" not in readme] == []
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def top_level_imports(tree: ast.Module, known: set[str]) -> set[str]:
+    """The modules of ours a module imports as it loads, or names for its type checker (under
+    ``if TYPE_CHECKING:``): imports inside functions are left out, they run after both load."""
+    names: list[str] = []
+    for node in tree.body:
+        body = node.body if isinstance(node, ast.If) else [node]
+        for stmt in body:
+            if isinstance(stmt, ast.Import | ast.ImportFrom):
+                names += imported(stmt)
+    # `from a.b import c` names a.b.c when c is a module, else a.b
+    return {name for name in names if name in known}
+
+
+def test_no_module_imports_itself_round_a_circle():
+    paths = modules()
+    known = {module_name(p) for p in paths}
+    graph = {module_name(p): top_level_imports(ast.parse(p.read_text()), known) - {module_name(p)}
+             for p in paths}
+    circles = []
+    for start in sorted(graph):
+        stack, seen = [(start, [start])], set()
+        while stack:
+            node, path = stack.pop()
+            for nxt in sorted(graph[node]):
+                if nxt == start:
+                    circles.append(" -> ".join([*path, start]))
+                elif nxt not in seen and nxt > start:  # each circle once, from its least module
+                    seen.add(nxt)
+                    stack.append((nxt, [*path, nxt]))
+    assert circles == []

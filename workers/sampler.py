@@ -143,7 +143,7 @@ def truncated_probs(logits: torch.Tensor, specs: Sequence[SamplingSpec]) -> torc
 
 def target_probs(logits: torch.Tensor, specs: Sequence[SamplingSpec]) -> torch.Tensor:
     """(B, V) float32: what each row samples from, a greedy row's as the one-hot of its argmax
-    (speculative verification treats both alike: workers/spec/rejection.py)."""
+    (speculative verification treats both alike: workers/speculative/rejection.py)."""
     logits = logits.float()
     is_greedy = [spec.is_greedy for spec in specs]
     argmax = greedy(logits)

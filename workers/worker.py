@@ -30,7 +30,7 @@ from workers.loader import load_model
 from workers.pending import Lookahead, PendingRead, copied_event, to_host
 from workers.request_state import RequestState, TokenHistory
 from workers.sampler import Sampler, SamplerOutput, SamplingSpec
-from workers.spec.verify_step import merge_outputs, verify_rows
+from workers.speculative.verify_step import merge_outputs, verify_rows
 from workers.step_input import (
     NewRequest,
     ScheduledRequest,
@@ -66,7 +66,7 @@ class Worker:
         self.lookahead: Lookahead | None = None  # the next call's first step, already run
         self.draft = None  # DraftModel: it must see every step (so one step a call), eagerly
         if config.draft_model_path is not None:
-            from workers.spec.draft_model import DraftModel
+            from workers.speculative.draft_model import DraftModel
 
             self.draft = DraftModel(config.draft_model_path, self.dtype, self.device, backend,
                                     config.num_speculative_tokens, config.block_size)
@@ -384,7 +384,7 @@ class Worker:
     def _verify_and_read(self, request_ids: list[str], drafts: list[list[int]],
                          hidden: torch.Tensor) -> StepOutput | None:
         """A step with drafts: rows without any sample as ever; rows with some keep the
-        drafts the target agrees with and one token more (workers/spec/verify_step.py)."""
+        drafts the target agrees with and one token more (workers/speculative/verify_step.py)."""
         logits = self.model.compute_logits(hidden)  # (sum of 1 + k, V); a collective under TP
         if not self.is_driver:
             return None

@@ -9,36 +9,15 @@ import math
 import random
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+from cluster.bench.timing import Timing
 from cluster.bench.vllm_results import traffic_keys, vllm_metrics
 
 SLO_TTFT_S, SLO_TPOT_S = 0.200, 0.020
 # Random prompt token ids stay below this: every real vocabulary is bigger, so the prompts are
 # valid for a server whose model we don't know (--base-url); locally, min(vocab, this).
 SAFE_VOCAB = 10000
-
-
-@dataclass
-class Timing:
-    start: float
-    chunk_times: list[float] = field(default_factory=list)  # when output arrived
-    end: float = 0.0
-    output_tokens: int = 0
-
-    @property
-    def ttft(self) -> float:
-        return self.chunk_times[0] - self.start
-
-    @property
-    def tpot(self) -> float | None:
-        if self.output_tokens < 2:
-            return None
-        return (self.end - self.chunk_times[0]) / (self.output_tokens - 1)
-
-    @property
-    def itls(self) -> list[float]:
-        return [b - a for a, b in zip(self.chunk_times, self.chunk_times[1:], strict=False)]
 
 
 Send = Callable[[list[int], int], Awaitable[Timing]]

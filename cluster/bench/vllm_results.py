@@ -15,12 +15,9 @@ result file reads the same to vLLM's tooling and to a person holding the two sid
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
-
 import numpy as np
 
-if TYPE_CHECKING:
-    from cluster.bench.serve_load import Timing
+from cluster.bench.timing import Timing
 
 
 def latency_stats(name: str, seconds: list[float]) -> dict[str, float]:

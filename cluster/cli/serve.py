@@ -16,7 +16,7 @@ from cluster.cli.drain import ShutdownRequested, drain_and_stop, raise_on_signal
 from cluster.cli.serve_ports import ServePorts, serve_ports
 from cluster.engine.config import DEFAULT_MODEL
 from cluster.serve.config import ServeConfig, load_config
-from workers.spec.config import SpeculativeConfig
+from workers.speculative.config import SpeculativeConfig
 
 # ServeConfig field -> (flags, the first is vLLM's where vLLM has one; type; help)
 FLAGS: dict[str, tuple[tuple[str, ...], type, str]] = {

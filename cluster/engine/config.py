@@ -9,7 +9,7 @@ from typing import Any
 
 from cluster import environment
 from kvstore.kv_format import check_kv_cache_dtype
-from workers.spec.config import SpeculativeConfig
+from workers.speculative.config import SpeculativeConfig
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 AUTO_GPU_DECODE_STEPS = 8  # tokens per host round trip; a request waits at most this many

@@ -58,7 +58,7 @@ from workers.device_stats import DeviceStats
 from workers.gc_freeze import freeze_start_up_objects, unfreeze
 from workers.loader import load_config
 from workers.models.llama import check_tensor_parallel
-from workers.spec.config import SpeculativeConfig
+from workers.speculative.config import SpeculativeConfig
 
 log = logging.getLogger(__name__)
 

@@ -14,8 +14,8 @@ from cluster.engine.metrics import EngineMetrics
 from router.scheduler import SchedulerOutput
 from router.sequence import Sequence as Seq
 from router.speculation import DraftLength
-from workers.spec.config import SpeculativeConfig
-from workers.spec.ngram import ngram_drafts
+from workers.speculative.config import SpeculativeConfig
+from workers.speculative.ngram import ngram_drafts
 from workers.step_input import StepInput, StepOutput
 
 
@@ -42,7 +42,7 @@ class NgramProposer:
 
 
 class DraftModelProposer:
-    """The draft model runs in the worker, after the target's step (workers/spec/
+    """The draft model runs in the worker, after the target's step (workers/speculative/
     draft_model.py): its proposals come back with the step's tokens."""
 
     def __init__(self) -> None:

@@ -21,7 +21,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import ray
 
@@ -37,8 +37,20 @@ from router.autoscale import (
 )
 from router.histogram_window import HistogramWindow
 
-if TYPE_CHECKING:
-    from cluster.ray.tandem_cluster import TandemCluster
+
+class ScalableCluster(Protocol):
+    """What the autoscaler asks of the cluster it scales (``TandemCluster`` is one): written
+    here so that this module needs nothing of the cluster's own."""
+
+    router: Any  # the router actor's handle
+    policy: Any  # ServingPolicy: replica_start_timeout_s
+
+    def start_replica(self) -> tuple[int, ray.ObjectRef]: ...
+    def replica_serving(self, index: int, info: dict) -> None: ...
+    def replica_handles(self) -> dict[int, object]: ...
+    def remove_replica(self, index: int, timeout_s: float = 60.0,
+                       started: bool = True) -> None: ...
+
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +69,7 @@ class Action:
 
 
 class ReplicaAutoscaler:
-    def __init__(self, cluster: "TandemCluster", policy: AutoscalingPolicy,
+    def __init__(self, cluster: ScalableCluster, policy: AutoscalingPolicy,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.cluster, self.policy, self.clock = cluster, policy, clock
         self.scaling_clock = ScalingClock()

@@ -13,7 +13,7 @@ the price of sharing and placing it freely.
 
 import ray
 
-from workers.spec.draft_follower import DraftFollower
+from workers.speculative.draft_follower import DraftFollower
 from workers.step_input import StepInput
 
 
@@ -38,7 +38,7 @@ class DraftActor:
     def attach(self, replica: str, num_blocks: int, max_model_len: int) -> None:
         """A cache of ``num_blocks`` blocks for one target replica (replacing an earlier one
         of the same name: a rebuilt replica starts with an empty cache)."""
-        from workers.spec.draft_model import DraftModel
+        from workers.speculative.draft_model import DraftModel
 
         draft = DraftModel(self.folder, self.dtype, self.device, self.backend, self.num_drafts,
                            self.block_size)

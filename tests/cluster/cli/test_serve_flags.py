@@ -9,7 +9,7 @@ from cluster.cli.main import build_parser
 from cluster.cli.serve import check_ports_free, serve_config
 from cluster.cli.serve_ports import serve_ports
 from cluster.ray.serving_policy import ServingPolicy
-from workers.spec.config import SpeculativeConfig
+from workers.speculative.config import SpeculativeConfig
 
 
 def config_of(*flags):

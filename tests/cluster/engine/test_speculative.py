@@ -15,7 +15,7 @@ from kvstore.block_hash import hash_block_tokens
 from router.scheduler import ScheduledSequence, SchedulerOutput
 from router.sequence import Sequence
 from tests.router.test_speculation import fitted
-from workers.spec.config import SpeculativeConfig
+from workers.speculative.config import SpeculativeConfig
 
 LOOP = [7, 8, 9, 10, 11, 12]
 PROMPTS = [

@@ -11,7 +11,7 @@ from workers.input_batch import packed_to_device
 from workers.pending import copied_event, to_host
 from workers.request_state import RequestState
 from workers.sampler import greedy, target_probs
-from workers.spec.rejection import verify, verify_greedy
+from workers.speculative.rejection import verify, verify_greedy
 from workers.step_input import StepOutput
 
 

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from workers.sampler import SamplingSpec, target_probs
-from workers.spec.ngram import ngram_drafts
-from workers.spec.rejection import verify
+from workers.speculative.ngram import ngram_drafts
+from workers.speculative.rejection import verify
 
 V, ROWS, START = 5, 200_000, 0
 
@@ -127,7 +127,7 @@ def test_ngram_takes_what_followed_the_latest_longest_match():
 
 
 def test_greedy_verification_from_argmaxes_equals_the_one_hot_verify():
-    from workers.spec.rejection import verify_greedy
+    from workers.speculative.rejection import verify_greedy
 
     torch.manual_seed(3)
     batch, k, vocab = 256, 4, 7

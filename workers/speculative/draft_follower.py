@@ -5,7 +5,7 @@ It receives the same step messages as the target's workers and keeps the same re
 states (tokens, block ids) from them, so it runs over exactly the tokens the target runs over,
 into the same slots of a cache indexed by the target's block ids: a rejected draft's K/V sits
 where the next step writes again, and prefix hits, preemption and chunked prefill keep both
-caches in step, as in the worker (workers/spec/draft_model.py).
+caches in step, as in the worker (workers/speculative/draft_model.py).
 """
 
 from collections.abc import Sequence
@@ -14,7 +14,7 @@ import torch
 
 from workers.input_batch import build_input_batch, build_verify_rows
 from workers.request_state import RequestState
-from workers.spec.draft_model import DraftModel
+from workers.speculative.draft_model import DraftModel
 from workers.step_input import StepInput
 
 
