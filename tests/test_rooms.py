@@ -126,14 +126,17 @@ def module_name(path: Path) -> str:
 def top_level_imports(tree: ast.Module, known: set[str]) -> set[str]:
     """The modules of ours a module imports as it loads, or names for its type checker (under
     ``if TYPE_CHECKING:``): imports inside functions are left out, they run after both load."""
-    names: list[str] = []
+    names: set[str] = set()
     for node in tree.body:
-        body = node.body if isinstance(node, ast.If) else [node]
-        for stmt in body:
-            if isinstance(stmt, ast.Import | ast.ImportFrom):
-                names += imported(stmt)
-    # `from a.b import c` names a.b.c when c is a module, else a.b
-    return {name for name in names if name in known}
+        for stmt in node.body if isinstance(node, ast.If) else [node]:
+            if isinstance(stmt, ast.Import):
+                names |= {alias.name for alias in stmt.names}
+            elif isinstance(stmt, ast.ImportFrom) and stmt.module and stmt.level == 0:
+                # `from a.b import c` names the module a.b.c where there is one, else a.b
+                for alias in stmt.names:
+                    sub = f"{stmt.module}.{alias.name}"
+                    names.add(sub if sub in known else stmt.module)
+    return names & known
 
 
 def test_no_module_imports_itself_round_a_circle():

@@ -15,6 +15,7 @@ result file reads the same to vLLM's tooling and to a person holding the two sid
 from __future__ import annotations
 
 import math
+
 import numpy as np
 
 from cluster.bench.timing import Timing
