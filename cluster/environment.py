@@ -3,7 +3,8 @@
 Only the edges call this module: the CLI, the Serve app builder, the config objects' defaults
 (made where a user or an entry point makes them) and a shard actor's start-up, which must set
 CUDA and NCCL variables in its own process before they are read. Everything below gets plain
-config objects. ``VARIABLES`` is what a user may set; the README's table lists the same names.
+config objects. ``VARIABLES`` is what a user may set; docs/configuration.md's table lists the
+same names.
 """
 
 import os
@@ -64,7 +65,7 @@ def set_serve_ports(first_port: int, num_ingress_replicas: int) -> None:
     and any gRPC listener one opens comes from the n ports after the proxy's (``first_port +
     n``), instead of Serve's 30000-31000 and 40000-41000. A released port is reusable at once
     (Serve holds it back for HAProxy, which tandem does not run), so a replaced replica finds
-    its port. Set only by `tandem serve`, which chooses the ports; the README lists them."""
+    its port. Set only by `tandem serve`, which chooses the ports; docs/serving.md lists them."""
     n = num_ingress_replicas
     os.environ["RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT"] = str(first_port)
     os.environ["RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT"] = str(first_port + n)

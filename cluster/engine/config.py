@@ -1,6 +1,6 @@
 """The engine's configuration: one frozen dataclass, checked when it is made.
 
-Every option has a default and a one-line meaning (``option(...)``); the README's
+Every option has a default and a one-line meaning (``option(...)``); docs/configuration.md's
 configuration table lists the same names, defaults and meanings (a test holds them equal).
 """
 
@@ -17,8 +17,9 @@ PEER_SUM_KERNELS = ("push", "one_shot")
 
 
 def option(default: Any, meaning: str, *, shown: str | None = None) -> Any:
-    """A field with its meaning; ``shown`` is the default as the README writes it (for defaults
-    worked out at run time). A callable default is a factory, called when a config is made."""
+    """A field with its meaning; ``shown`` is the default as docs/configuration.md writes it
+    (for defaults worked out at run time). A callable default is a factory, called when a
+    config is made."""
     metadata = {"meaning": meaning, "shown": shown}
     if callable(default):
         return field(default_factory=default, metadata=metadata)
