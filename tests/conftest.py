@@ -6,6 +6,7 @@ import tests.workers.triton_interpreter  # noqa: F401, I001
 import pytest
 
 from cluster import environment
+from tests.gpus import skip_without_gpus
 from tests.tiny_models import SPECS, build_tiny_chat_model, build_tiny_model
 
 # Serve as `tandem serve` runs it (cluster/cli/serve.py): set before any module imports Ray
@@ -14,6 +15,11 @@ environment.set_serve_throughput_optimized(None)
 # and a Serve app that is deleted goes at once, as under `tandem serve` (whose drain comes
 # first): no load balancer here needs Serve's 30 s of draining
 environment.set_serve_quick_stop()
+
+
+@pytest.hookimpl(trylast=True)  # after -m deselects: GPUs are counted for GPU tests that run
+def pytest_collection_modifyitems(items):
+    skip_without_gpus(items)  # @pytest.mark.gpu(gpus=N) on fewer GPUs: skipped (tests/gpus.py)
 
 
 @pytest.fixture(scope="session")

@@ -19,8 +19,9 @@ SPECS = {
     "qwen2": (Qwen2Config, dict(vocab_size=999, tie_word_embeddings=False)),
     "qwen3": (Qwen3Config, dict(vocab_size=1003, head_dim=32, tie_word_embeddings=True)),
     # eight query heads over two kv heads: tensor parallel at 4 and 8, each kv head replicated
-    # on 2 and 4 ranks (see QKVParallelLinear)
-    "llama-8-heads": (LlamaConfig, dict(vocab_size=1001, num_attention_heads=8,
+    # on 2 and 4 ranks (see QKVParallelLinear); 517 tokens pad to 768 at TP 4 and 1024 at TP 8,
+    # which leaves rank 3 and ranks 5-7 padding alone (workers/layers/embedding.py)
+    "llama-8-heads": (LlamaConfig, dict(vocab_size=517, num_attention_heads=8,
                                         tie_word_embeddings=False)),
     # an unrelated draft for "llama" (speculative decoding): its vocabulary, one layer
     "llama-draft": (LlamaConfig, dict(vocab_size=1001, num_hidden_layers=1,

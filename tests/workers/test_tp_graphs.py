@@ -1,12 +1,13 @@
 """Decode CUDA graphs under tensor parallelism: TP=2 replay equals TP=2 eager (two GPUs).
 
-Run on a machine with two GPUs: ``python -m pytest -m gpu tests/workers/test_tp_graphs.py``.
+Run on a machine with two GPUs: ``python -m pytest -m gpu tests/workers/test_tp_graphs.py``
+(with fewer, both tests are skipped: "needs 2 GPUs, this machine has 1"; tests/gpus.py).
 """
 
 import pytest
 
 
-@pytest.mark.gpu
+@pytest.mark.gpu(gpus=2)
 def test_tensor_parallel_graph_replay_matches_eager(ray_session, tiny_models):
     """Two GPUs: TP=2 replaying decode graphs equals TP=2 eager, with the small sums inside the
     graphs done by NCCL or by the peer-memory kernel. If the graphs or the peer-memory sums are
@@ -43,7 +44,7 @@ def test_tensor_parallel_graph_replay_matches_eager(ray_session, tiny_models):
     assert outs[(False, False), "again"] == again and outs[(False, True), "again"] == again
 
 
-@pytest.mark.gpu
+@pytest.mark.gpu(gpus=2)
 def test_peer_memory_sums_equal_nccl_at_decode_sizes():
     """Two GPUs, one process each: the peer-memory sums of bf16 rows (PyTorch's one-shot
     kernel and the push kernel, first and again after hundreds of sums in graphs) equal NCCL's

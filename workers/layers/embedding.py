@@ -9,6 +9,10 @@ never reach the caller::
 
     rows:    [ rank 0 | rank 1 | ... | rank tp-1 ]
     ids:     [ 0 .......................... V-1 | padding ]
+
+A small vocabulary can leave the last ranks nothing but padding (V = 517 at tp = 4: 192 rows a
+rank, rank 3's rows 576-767 are all padding; at tp = 8 ranks 5-7): such a rank loads no row,
+looks no id up, and its all-zero logits are cut off after the gather.
 """
 
 import torch
@@ -43,8 +47,15 @@ class VocabParallelEmbedding(nn.Module):
         self.weight.weight_loader = self.weight_loader
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        # the whole checkpoint tensor is checked: a rank of padding alone copies none of it
+        expected = (self.vocab_size, param.shape[1])
+        if tuple(loaded.shape) != expected:
+            raise ValueError(f"checkpoint tensor has shape {tuple(loaded.shape)}, expected "
+                             f"{expected}")
         num_real_rows = max(0, min(self.num_local_rows, self.vocab_size - self.vocab_start))
-        copy_shard(param.data[:num_real_rows], loaded.narrow(0, self.vocab_start, num_real_rows))
+        # a slice, not narrow: narrow refuses a start past the vocabulary even for 0 rows
+        real = loaded[self.vocab_start : self.vocab_start + num_real_rows]
+        copy_shard(param.data[:num_real_rows], real)
         param.data[num_real_rows:].zero_()
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:

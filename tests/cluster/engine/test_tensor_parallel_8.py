@@ -1,5 +1,6 @@
 """TP=8 on the CPU: eight gloo ranks give transformers' greedy tokens, with prefix hits and
-preemption (eight query heads, two kv heads each replicated on four ranks). TP=4 runs through
+preemption (eight query heads, two kv heads each replicated on four ranks; a vocabulary of 517
+whose padding to 1024 leaves ranks 5-7 no real row of the embedding or LM head). TP=4 runs through
 Ray actors in tests/cluster/ray/test_tensor_parallel_4.py; eight actors start too slowly on
 this machine, so TP=8 runs the same worker and collectives in forked ranks
 (gloo_executor.py)."""
@@ -17,7 +18,9 @@ from tests.workers.gloo_group import gloo_group
 from workers.worker import Worker
 
 SHARED = list(range(40, 60))  # a 20-token prefix two prompts share
-PROMPTS = [SHARED + [5, 6, 7], [3, 1, 4, 1, 5], SHARED + [900, 901]]
+# 515 and 516 are the last real rows of the vocabulary (517), next to the padding; at TP 8 they
+# are rank 4's, and ranks 5-7 hold padding alone
+PROMPTS = [SHARED + [5, 6, 7], [3, 1, 4, 1, 5], SHARED + [515, 516]]
 MAX_TOKENS = 8
 # 12 blocks of 4 tokens cannot hold the three sequences at once: one is preempted
 ENGINE = dict(device="cpu", dtype="float32", block_size=4, num_kv_blocks=12,

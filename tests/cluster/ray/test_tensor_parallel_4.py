@@ -17,7 +17,8 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
 
 def test_tensor_parallel_4_over_ray_matches_transformers_in_one_strict_pack_group(
         ray_session, tiny_models):
-    """Eight query heads over two kv heads, each replicated on two ranks; 12 blocks of 4
+    """Eight query heads over two kv heads, each replicated on two ranks; a vocabulary of 517,
+    padded to 768, leaves rank 3 padding alone (rows 576-767; it loads no row); 12 blocks of 4
     tokens preempt one of the three sequences, and the second round hits the prefix cache."""
     folder = tiny_models["llama-8-heads"]
     llm = LLM(str(folder), device="cpu", block_size=4, num_kv_blocks=12,
