@@ -6,6 +6,8 @@ import tests.workers.triton_interpreter  # noqa: F401, I001
 import pytest
 
 from cluster import environment
+from tests.cluster.cli import served_process
+from tests.cluster.ray import nodes_background
 from tests.gpus import skip_without_gpus
 from tests.tiny_models import SPECS, build_tiny_chat_model, build_tiny_model
 
@@ -20,6 +22,22 @@ environment.set_serve_quick_stop()
 @pytest.hookimpl(trylast=True)  # after -m deselects: GPUs are counted for GPU tests that run
 def pytest_collection_modifyitems(items):
     skip_without_gpus(items)  # @pytest.mark.gpu(gpus=N) on fewer GPUs: skipped (tests/gpus.py)
+
+
+def pytest_collection_finish(session):
+    """What starts slowly and mostly waits (Ray nodes, a `tandem serve`) starts now and runs
+    beside the tests collected before the ones that need it: pytest keeps one core busy."""
+    if session.config.option.collectonly:
+        return
+    if any(item.nodeid.startswith(nodes_background.TEST_FILE) for item in session.items):
+        nodes_background.SCENARIO.start()
+    if any(served_process.FIXTURE in item.fixturenames for item in session.items):
+        served_process.EARLY.start()
+
+
+def pytest_sessionfinish(session):
+    nodes_background.SCENARIO.stop()  # what the session ended before
+    served_process.EARLY.stop()
 
 
 @pytest.fixture(scope="session")

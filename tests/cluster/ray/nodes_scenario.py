@@ -19,6 +19,7 @@ one CPU; each replica's shard takes a CPU (cpu_shard_cpus=1).
 
 import asyncio
 import json
+import signal
 import sys
 import time
 import traceback
@@ -31,6 +32,7 @@ from router.autoscale import AutoscalingPolicy
 from tests.cluster.ray.local_nodes import LocalNodes, wait_for
 
 PROMPT = [5, 6, 7, 8]
+LONGEST = 508  # tokens: the prompt and these fill the tiny model's 512 positions
 IDLE_NODE_TIMEOUT_S = 10.0
 GPU_NODE = {"resources": {"CPU": 1, "GPU": 1}, "min_workers": 0, "max_workers": 1}
 # 12 sequences running on 2 replicas are 1.5x a target of 4; one on each of 3 replicas is
@@ -109,12 +111,15 @@ async def autoscaling(cluster: TandemCluster, report: dict) -> dict:
                                 **{key: node["Resources"][key] for key in ("CPU", "GPU")}}
     outputs["step"] = await asyncio.gather(*step)
     outputs["during"] = await asyncio.gather(*during)
-    # the light load: one long request on each replica (least-loaded)
-    light = [asyncio.create_task(complete(cluster, f"light-{i}", 400)) for i in range(3)]
-    # placed, not necessarily running: the wish to shrink needs no running sequence, and the
-    # drain goes by requests in flight (a tie: the newest replica)
-    await until(lambda: loads() == [1, 1, 1], 180, "one request on each replica")
+    # the wish to shrink begins while nothing runs, so that one tick alone lies between the
+    # light load's placement and the drain: on a busy machine two ticks took long enough
+    # for the drained replica's request to finish before its drain began
     await tick()
+    # the light load: one long request on each replica (least-loaded)
+    light = [asyncio.create_task(complete(cluster, f"light-{i}", LONGEST)) for i in range(3)]
+    # placed, not necessarily running: the drain goes by requests in flight (a tie: the
+    # newest replica)
+    await until(lambda: loads() == [1, 1, 1], 180, "one request on each replica")
     await tick(5.0)  # under target for the downscale delay: replica 2 drains
     outputs["late"] = [await complete(cluster, "late", 4)]  # goes to another
     outputs["light"] = await asyncio.gather(*light)
@@ -137,6 +142,23 @@ async def two_nodes(cluster: TandemCluster, report: dict) -> dict:
     report["finished_per_replica"] = [ray.get(r.metrics.remote()).finished_requests
                                       for r in cluster.replicas]
     return {"two": answers}
+
+
+def ray_state() -> str:
+    """What a failed wait needs to be read: tandem's actors and the placement groups, each
+    with its state (a replica that never asked for its group, or a group that waits)."""
+    if not ray.is_initialized():
+        return "(not connected)"
+    try:
+        from ray.util.state import list_actors
+
+        actors = [f"{a.class_name} {a.state} {a.node_id} {a.death_cause or ''}"[:300]
+                  for a in list_actors(limit=100)]
+        groups = [f"{g['state']} {g['bundles']}" for g in
+                  ray.util.placement_group_table().values()]
+        return "\n".join(["actors:", *actors, "placement groups:", *groups])
+    except Exception as error:  # a report without it still says what failed
+        return f"(state unavailable: {error!r})"
 
 
 def timed(report: dict, name: str, since: float) -> float:
@@ -175,6 +197,7 @@ def main(model: str, out: str) -> None:
             cluster.shutdown()
     except BaseException:
         report["error"] = traceback.format_exc()
+        report["ray_state"] = ray_state()
         report["ray_logs"] = nodes.log_tail()
         raise
     finally:
@@ -186,4 +209,6 @@ def main(model: str, out: str) -> None:
 
 
 if __name__ == "__main__":
+    # stopped early (the test session ended first): the finally above stops the nodes
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
     main(sys.argv[1], sys.argv[2])

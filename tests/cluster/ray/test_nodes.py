@@ -3,45 +3,37 @@ and engine autoscaling that makes Ray's (fake) autoscaler start a GPU node and r
 
 The scenario (tests/cluster/ray/nodes_scenario.py) runs in a process of its own, on a Ray
 cluster of its own: this session's Ray instance is one node, and a process joins one cluster.
-Every request's tokens are checked against the engine run in this process.
+It starts as the session's collection ends and runs beside the other tests, on a loaded
+machine (nodes_background.py). Every request's tokens are checked against the engine run in
+this process.
 """
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from cluster import LLM, SamplingParams
+from tests.cluster.ray.nodes_background import SCENARIO
 
 pytestmark = pytest.mark.ray
 
-ROOT = Path(__file__).resolve().parents[3]
 
-
-def scenario(model: Path, report: Path) -> dict:
-    # none of this session's Ray settings: its ray.init set RAY_AUTH_MODE=token, and a driver
-    # started with it on a cluster without auth has every actor it creates destroyed before
-    # it runs ("all references to the actor were removed")
-    env = {key: value for key, value in os.environ.items() if not key.startswith("RAY_")}
-    run = subprocess.run([sys.executable, "-m", "tests.cluster.ray.nodes_scenario", str(model),
-                          str(report)], cwd=ROOT, capture_output=True, text=True, timeout=400,
-                         env=env)
-    found = json.loads(report.read_text()) if report.exists() else {}
+def scenario() -> dict:
+    """The report of the scenario the collection hook started (tests/conftest.py)."""
+    returncode, stderr = SCENARIO.wait(timeout_s=900)
+    found = json.loads(SCENARIO.report.read_text()) if SCENARIO.report.exists() else {}
     # the scenario's own traceback and Ray's logs of it, not Ray's start-up chatter
-    assert run.returncode == 0, (found.get("error") or run.stderr[-2000:])[-2000:] + "\n" + (
-        found.get("ray_logs") or "")[-4000:]
+    assert returncode == 0, "\n".join([(found.get("error") or stderr)[-2000:],
+                                        found.get("ray_state", "")[-3000:],
+                                        (found.get("ray_logs") or "")[-4000:]])
     return found
 
 
-def test_replicas_on_two_nodes_and_a_gpu_node_that_comes_and_goes_with_the_load(tiny_models,
-                                                                                tmp_path):
-    report = scenario(tiny_models["llama"], tmp_path / "report.json")
+def test_replicas_on_two_nodes_and_a_gpu_node_that_comes_and_goes_with_the_load():
+    report = scenario()
     print("scenario seconds:", report["seconds"])
-    want = LLM(str(tiny_models["llama"]), device="cpu", block_size=4, num_kv_blocks=1024).generate(
-        [[5, 6, 7, 8]], SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+    want = LLM(str(SCENARIO.model), device="cpu", block_size=4, num_kv_blocks=1024).generate(
+        [[5, 6, 7, 8]], SamplingParams(temperature=0.0, max_tokens=508, ignore_eos=True)
     )[0].token_ids
     outputs = report["outputs"]
 
@@ -71,6 +63,6 @@ def test_replicas_on_two_nodes_and_a_gpu_node_that_comes_and_goes_with_the_load(
     assert reasons[-3:] == ["waiting_to_scale_down", "under_target", "within_band"]
     assert report["history"] == [[1, "over_target", 2, 0], [-1, "under_target", 2, 1]]
     assert report["drained_finished"] == {"length": 1}
-    assert outputs["light"] == answers(400, 3)
+    assert outputs["light"] == answers(508, 3)
     assert outputs["late"] == answers(4, 1)  # sent while it drained
     assert report["replicas_after"] == [0, 1]  # and its GPU node went back (waited for)
