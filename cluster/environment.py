@@ -74,6 +74,29 @@ def set_serve_ports(first_port: int, num_ingress_replicas: int) -> None:
     os.environ["RAY_SERVE_PORT_QUARANTINE_S"] = "0"
 
 
+def joins_running_ray() -> bool:
+    """Whether ``ray.init()`` here joins a Ray cluster that is already running rather than
+    start one, as Ray decides it: RAY_ADDRESS names one (anything but ``local``), or, without
+    RAY_ADDRESS, a `ray start` on this machine left its address where Ray looks for it
+    ($RAY_TMPDIR, else $TMPDIR, else /tmp; then ray/ray_current_cluster)."""
+    address = os.environ.get("RAY_ADDRESS", "")
+    if address:
+        return address != "local"
+    temp = os.environ.get("RAY_TMPDIR") or os.environ.get("TMPDIR") or "/tmp"
+    return (Path(temp) / "ray" / "ray_current_cluster").exists()
+
+
+def keep_ray_on_loopback() -> None:
+    """The Ray instance about to start takes 127.0.0.1 as this node's address, as it does on
+    macOS and Windows, so that everything it starts (GCS, raylet, workers, its agents' and
+    metrics' ports) listens on the loopback address only. Ray reads this when it is imported,
+    so it must be set before; ``ray.init(_node_ip_address="127.0.0.1")`` cannot do it (Ray
+    2.60 turns a loopback address given there into the node's outward one). Only for a Ray
+    instance of `tandem serve`'s own that serves on a loopback --host: a node of a cluster
+    needs an address the others reach."""
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+
+
 def set_serve_quick_stop() -> None:
     """A stopping ingress replica goes at once: Serve would keep it taking requests for 30 s
     (its direct-ingress draining period) so load balancers notice; `tandem serve` has drained

@@ -5,6 +5,7 @@ is reported at once, one line per flag.
 """
 
 import argparse
+import ipaddress
 import json
 import signal
 import socket
@@ -12,7 +13,7 @@ import time
 
 from cluster import environment
 from cluster.cli.autoscaling_flags import add_autoscaling_flags, autoscaling_config
-from cluster.cli.drain import ShutdownRequested, drain_and_stop, raise_on_signals
+from cluster.cli.drain import ShutdownRequested, drain_and_stop, raise_on_signals, stop_serve
 from cluster.cli.serve_ports import ServePorts, serve_ports
 from cluster.engine.config import DEFAULT_MODEL
 from cluster.serve.config import ServeConfig, load_config
@@ -30,14 +31,15 @@ FLAGS: dict[str, tuple[tuple[str, ...], type, str]] = {
                          "HTTP ingress replicas (default: 0, auto: 4 on a GPU, 1 on the CPU)"),
     "host": (("--host",), str, "bind address (default: 127.0.0.1)"),
     "port": (("--port",), int, "HTTP port (default: 8000); ingress replica i takes port + i, "
-             "Serve's proxy port + n (README: Ports)"),
+             "Serve's proxy port + n (docs/serving.md: Ports)"),
     "api_key": (("--api-key",), str, "require this bearer key on /v1 (default: "
                 f"${environment.API_KEY.name})"),
     "max_body_bytes": (("--max-body-bytes",), int, "larger request bodies get 413 (4 MiB)"),
     "dtype": (("--dtype",), str, "auto | float32 | bfloat16 | float16"),
     "kv_cache_dtype": (("--kv-cache-dtype",), str, "auto (as --dtype) | int8 | fp8 (e4m3, "
                        "GPUs of compute capability 8.9+): about twice the KV blocks"),
-    "device": (("--device",), str, "auto | cpu | cuda"),
+    "device": (("--device",), str, "auto (default: cuda when present, else cpu) | cpu | cuda | "
+               "cuda:N (the same as cuda: Ray gives each shard a GPU of its own)"),
     "gpu_memory_utilization": (("--gpu-memory-utilization",), float,
                                "share of the GPU's memory each engine takes (default: 0.9)"),
     "max_model_len": (("--max-model-len",), int, "context length (default: the model's)"),
@@ -180,6 +182,8 @@ def serve_command(args: argparse.Namespace) -> int:
     throughput = environment.set_serve_throughput_optimized(args.throughput_optimized) == "1"
     ports = serve_ports(config.port, config.num_ingress_replicas, throughput)
     check_ports_free(config.host, ports)
+    if keeps_ray_on_loopback(config.host):
+        environment.keep_ray_on_loopback()  # before Ray is imported: it reads it then
     if throughput:
         environment.set_serve_ports(config.port, config.num_ingress_replicas)
     environment.set_serve_quick_stop()
@@ -187,18 +191,29 @@ def serve_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def keeps_ray_on_loopback(host: str) -> bool:
+    """Whether the Ray instance `tandem serve` starts keeps every listener on 127.0.0.1: when
+    it serves on a loopback address. Not on a Ray cluster it joins (RAY_ADDRESS, `ray start`),
+    whose nodes must reach each other, nor for another --host (0.0.0.0, a real address)."""
+    try:
+        loopback = ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = host == "localhost"
+    return loopback and not environment.joins_running_ray()
+
+
 def check_ports_free(host: str, ports: ServePorts) -> None:
     if ports.all[-1] > 65535:
         raise ValueError(f"--port {ports.all[0]} leaves no room for ports up to "
-                         f"{ports.all[-1]} (README: Ports): choose a lower --port")
+                         f"{ports.all[-1]} (docs/serving.md: Ports): choose a lower --port")
     for port in ports.all:
         with socket.socket() as sock:
             try:
                 sock.bind((host, port))
             except OSError as error:
                 raise ValueError(f"cannot listen on {host}:{port} ({error.strerror}); tandem "
-                                 f"uses ports {ports.all[0]}-{ports.all[-1]} (README: Ports):"
-                                 " choose another --port") from None
+                                 f"uses ports {ports.all[0]}-{ports.all[-1]} (docs/serving.md: "
+                                 "Ports): choose another --port") from None
 
 
 def run_server(config: ServeConfig, ports: ServePorts) -> None:
@@ -206,13 +221,16 @@ def run_server(config: ServeConfig, ports: ServePorts) -> None:
     import ray
     from ray import serve
 
-    from cluster.serve.app import APP_NAME, ENGINES_DEPLOYMENT, server_app
+    from cluster.serve.app import APP_NAME, server_app
 
     ray.init(include_dashboard=False, log_to_driver=True)
     raise_on_signals()
     stopped_by_signal = False
     try:
-        serve.start(http_options={"host": config.host, "port": ports.proxy})
+        # root_url: the URL Serve names when the app is ready, the one clients use (with
+        # direct ingress, not its proxy's port)
+        serve.start(http_options={"host": config.host, "port": ports.proxy,
+                                  "root_url": config.url})
         print(f"tandem: loading {config.model} ...", flush=True)
         # tandem drains the app itself first; Serve then only waits for the last bytes
         serve.run(server_app(config, graceful_shutdown_s=STOP_AFTER_DRAIN_S), name=APP_NAME,
@@ -226,10 +244,10 @@ def run_server(config: ServeConfig, ports: ServePorts) -> None:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # the shutdown itself is not interrupted
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         if stopped_by_signal:  # also while serve.run still waits: the app may take requests
-            drain_and_stop(config.drain_timeout, APP_NAME, ENGINES_DEPLOYMENT)
+            drain_and_stop(config.drain_timeout, APP_NAME)
         else:
             print("tandem: shutting down", flush=True)
-            serve.shutdown()
+            stop_serve()
         ray.shutdown()
 
 

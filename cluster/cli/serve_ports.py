@@ -5,8 +5,11 @@ Throughput-optimized Serve (the default) answers HTTP in the ingress replicas th
 path. Serve also runs its proxy actor, which balances over the replicas at the cost of a hop:
 it listens on ``port + n``. Any gRPC listener an ingress replica opens (tandem configures
 none) takes a port in ``port + n + 1 .. port + 2n``. With ``--no-throughput-optimized`` only
-the proxy listens, on ``port``. Ray's own processes (GCS, raylet, object store, workers) take
-ports Ray picks at random, reachable from this node only; the dashboard is off.
+the proxy listens, on ``port``. Ray's own processes (GCS, raylet, object store, workers, agents)
+take ports Ray picks at random: with a loopback ``--host`` on 127.0.0.1 only (but for Ray
+Serve's inter-deployment gRPC server in each Serve replica, which Ray Serve 2.60 binds to every
+interface), with another on every interface, as a node of a cluster needs. The dashboard is off
+(Ray still runs its API server process, for usage stats alone, without the dashboard's UI).
 """
 
 from dataclasses import dataclass

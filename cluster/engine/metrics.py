@@ -33,6 +33,19 @@ KV_LOAD_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0
                    5.0, 10.0)
 LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
                    60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+# a request's prefill (first scheduled to first token) and decode (first token to finish):
+# vLLM's request-latency buckets, with bounds below their 0.3 s as queue time has them (on a
+# GPU a prefill, or a short decode, takes milliseconds)
+REQUEST_PHASE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.2,
+                         *LATENCY_BUCKETS)
+# a request's prompt or generated tokens: vLLM's 1, 2, 5, 10, 20, 50, ... series, to a million
+# here (vLLM's stops at the model's context, so its top buckets differ by model; these are the
+# same for every replica and engine, and those past the context stay empty)
+REQUEST_TOKENS_BUCKETS = tuple(float(m * 10**e) for e in range(7) for m in (1, 2, 5)
+                               if m * 10**e <= 10**6)
+# the engine's KV cache configuration, as vLLM's cache_config_info labels name it
+CACHE_CONFIG_LABELS = ("block_size", "cache_dtype", "enable_prefix_caching",
+                       "gpu_memory_utilization", "num_gpu_blocks", "num_cpu_blocks")
 
 
 @dataclass
@@ -88,6 +101,17 @@ class MetricsSnapshot:
     kv_offloaded_bytes: dict[str, int] = field(default_factory=dict)  # tier -> bytes into it
     kv_loaded_bytes: dict[str, int] = field(default_factory=dict)  # tier -> bytes out of it
     kv_load_latency: Histogram = field(default_factory=lambda: Histogram(KV_LOAD_BUCKETS))
+    request_prompt_tokens: Histogram = field(
+        default_factory=lambda: Histogram(REQUEST_TOKENS_BUCKETS))
+    request_generation_tokens: Histogram = field(
+        default_factory=lambda: Histogram(REQUEST_TOKENS_BUCKETS))
+    request_prefill_time: Histogram = field(
+        default_factory=lambda: Histogram(REQUEST_PHASE_BUCKETS))
+    request_decode_time: Histogram = field(
+        default_factory=lambda: Histogram(REQUEST_PHASE_BUCKETS))
+    # CACHE_CONFIG_LABELS -> value, as vLLM writes them (str()); empty where no engine runs
+    cache_config: dict[str, str] = field(default_factory=dict)
+
 
 @dataclass(frozen=True)
 class LoadSample:
@@ -121,6 +145,15 @@ class EngineMetrics:
     spec_decode_plain_seconds: float = 0.0  # plain steps' estimated time for the same tokens
     # from a load's start (host tier or disk to the device) to the workers' report of it
     kv_load_latency: Histogram = field(default_factory=lambda: Histogram(KV_LOAD_BUCKETS))
+    # per finished request (aborted ones left out), as vLLM's request_* histograms
+    request_prompt_tokens: Histogram = field(
+        default_factory=lambda: Histogram(REQUEST_TOKENS_BUCKETS))
+    request_generation_tokens: Histogram = field(
+        default_factory=lambda: Histogram(REQUEST_TOKENS_BUCKETS))
+    request_prefill_time: Histogram = field(
+        default_factory=lambda: Histogram(REQUEST_PHASE_BUCKETS))
+    request_decode_time: Histogram = field(
+        default_factory=lambda: Histogram(REQUEST_PHASE_BUCKETS))
 
     @property
     def spec_decode_speedup(self) -> float:
@@ -147,6 +180,16 @@ class EngineMetrics:
         if num_generated and e2e_latency > 0:
             self.request_tokens_per_second.observe(num_generated / e2e_latency)
 
+    def on_request_done(self, num_prompt_tokens: int, num_generated: int,
+                        prefill_time: float | None, decode_time: float | None) -> None:
+        """A request that finished (not aborted): its sizes, and the time of its two phases
+        (None for a request that never had a first token)."""
+        self.request_prompt_tokens.observe(num_prompt_tokens)
+        self.request_generation_tokens.observe(num_generated)
+        if prefill_time is not None and decode_time is not None:
+            self.request_prefill_time.observe(prefill_time)
+            self.request_decode_time.observe(decode_time)
+
 
 # MetricsSnapshot fields by how two snapshots of one replica add up: counters and histograms
 # are summed (what an engine that was replaced had counted stays counted), gauges are the
@@ -157,9 +200,21 @@ COUNTER_FIELDS = ("prompt_tokens", "generation_tokens", "finished_requests", "pr
                   "spec_decode_accepted_per_position", "host_cache_hits", "disk_cache_hits",
                   "kv_offloaded_bytes", "kv_loaded_bytes")
 HISTOGRAM_FIELDS = ("time_to_first_token", "inter_token_latency", "e2e_latency", "queue_time",
-                    "batch_sizes", "request_tokens_per_second", "kv_load_latency")
+                    "batch_sizes", "request_tokens_per_second", "kv_load_latency",
+                    "request_prompt_tokens", "request_generation_tokens",
+                    "request_prefill_time", "request_decode_time")
 GAUGE_FIELDS = ("num_running", "num_waiting", "batch_size", "kv_blocks_used",
-                "kv_blocks_total", "spec_decode_speedup", "devices", "replica")
+                "kv_blocks_total", "spec_decode_speedup", "devices", "replica", "cache_config")
+
+
+def cache_config_info(block_size: int, cache_dtype: str, enable_prefix_caching: bool,
+                      gpu_memory_utilization: float, num_gpu_blocks: int,
+                      num_cpu_blocks: int | None) -> dict[str, str]:
+    """vLLM's cache_config_info labels: ``num_gpu_blocks`` the device's KV blocks (on the CPU
+    too), ``num_cpu_blocks`` the host tier's (None without one)."""
+    values = (block_size, cache_dtype, enable_prefix_caching, gpu_memory_utilization,
+              num_gpu_blocks, num_cpu_blocks)
+    return dict(zip(CACHE_CONFIG_LABELS, map(str, values), strict=True))
 
 
 def empty_snapshot() -> MetricsSnapshot:

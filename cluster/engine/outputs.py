@@ -21,6 +21,7 @@ class RequestMetrics:
     finished_time: float | None = None
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     num_preemptions: int = 0
+    first_scheduled_time: float | None = None  # set with the first token
 
     @property
     def ttft(self) -> float | None:

@@ -21,7 +21,7 @@ def record_tokens(metrics: EngineMetrics, tracker: RequestTracker,
         if tracker.metrics.first_token_time is None:
             tracker.metrics.first_token_time = now
             arrival = tracker.metrics.arrival_time
-            scheduled = seq.first_scheduled_time or arrival
+            scheduled = tracker.metrics.first_scheduled_time = seq.first_scheduled_time or arrival
             metrics.on_first_token(len(tracker.prompt_token_ids), now - arrival,
                                         scheduled - arrival)
     if count:
@@ -38,3 +38,10 @@ def record_finish(metrics: EngineMetrics, tracker: RequestTracker, seq: Sequence
         reason = next(iter(tracker.completions.values())).output.finish_reason or "abort"
         generated = sum(len(c.output.token_ids) for c in tracker.completions.values())
         metrics.on_finish(reason, now - tracker.metrics.arrival_time, generated)
+        if reason == "abort":
+            return
+        first, scheduled = tracker.metrics.first_token_time, tracker.metrics.first_scheduled_time
+        prefill = decode = None
+        if first is not None and scheduled is not None:
+            prefill, decode = first - scheduled, now - first
+        metrics.on_request_done(len(tracker.prompt_token_ids), generated, prefill, decode)

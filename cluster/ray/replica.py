@@ -43,6 +43,7 @@ from cluster.engine.resume import Resume
 from cluster.ray.heartbeat import Heartbeat
 from cluster.ray.kv_pull import ExportedBlocks, export_blocks, import_pull, stage_pull
 from cluster.ray.ray_executor import ShardFailure
+from cluster.ray.router_actor import RouterAddress
 from kvstore.directory import CacheDump
 from router.sampling_params import SamplingParams
 
@@ -59,14 +60,16 @@ class ReplicaFailure(RuntimeError):
 
 
 class ReplicaActor:
-    def __init__(self, config: EngineConfig, replica_id: int = 0, router: object = None) -> None:
+    def __init__(self, config: EngineConfig, replica_id: int = 0,
+                 router: RouterAddress | None = None) -> None:
         # every ray.get here runs in this constructor (before any call is taken) or on a worker
         # thread (steps, rebuilds, shard pids, metrics), never on the event loop
         environment.quiet_blocking_get_warning()
         # shards always run as actors, so a dead shard is seen and the replica survives it
         self.config = replace(config, distributed_executor_backend="ray")
         self.replica_id = replica_id
-        self.router = router  # the RouterActor's handle, or None
+        # the RouterActor's handle, or None; looked up by name, again after a restart
+        self.router = None if router is None else router.lookup()
         self.incarnation = uuid.uuid4().hex  # this process's (heartbeat.py)
         self.snapshots = itertools.count()
         self.retired = empty_snapshot()  # what engines this process replaced had counted

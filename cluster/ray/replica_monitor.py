@@ -9,8 +9,9 @@ next request that fails. Which replica and why goes to this actor's log, when it
 Each ping also brings the replica's metrics, which the ledger keeps across the replica's
 processes (metrics_ledger.py); /metrics reads them here.
 
-Ray restarts this actor if it dies, with the same replica and router handles: it then goes on
-checking, and its ledger starts again from the replicas' own counts.
+Ray restarts this actor if it dies: it finds the router again by name, and the replicas in the
+router's list (the owner keeps it current), then goes on checking; its ledger starts again
+from the replicas' own counts.
 """
 
 import asyncio
@@ -18,6 +19,7 @@ import logging
 
 from cluster.engine.metrics import MetricsSnapshot
 from cluster.ray.metrics_ledger import MetricsLedger
+from cluster.ray.router_actor import RouterAddress
 
 log = logging.getLogger(__name__)
 
@@ -25,12 +27,12 @@ MONITOR_ACTOR_OPTIONS = {"max_restarts": -1, "num_cpus": 0}
 
 
 class ReplicaMonitor:
-    def __init__(self, replicas: list, router: object, period_s: float,
-                 timeout_s: float) -> None:
-        self.replicas, self.router = replicas, router
+    def __init__(self, router: RouterAddress, period_s: float, timeout_s: float) -> None:
+        self.router = router.lookup()
+        self.replicas: list | None = None  # by index, None where removed; from the router
         self.period_s, self.timeout_s = period_s, timeout_s
-        self.ledger = MetricsLedger(len(replicas))
-        self.problems: list[str | None] = [None] * len(replicas)
+        self.ledger = MetricsLedger(0)
+        self.problems: list[str | None] = []
         self.task = asyncio.get_running_loop().create_task(self._watch())
 
     async def _watch(self) -> None:
@@ -44,8 +46,13 @@ class ReplicaMonitor:
     async def check(self) -> list[bool]:
         """One round: pings every replica, records what changed, tells the router; whether
         each replica is up."""
+        if self.replicas is None:  # the first round in this process: the router's list
+            handles = await self.router.replica_handles.remote()  # type: ignore[attr-defined]
+            if self.replicas is None:  # the owner's, if it came meanwhile, is as new
+                await self.set_replicas([handles.get(i)
+                                         for i in range(max(handles, default=-1) + 1)])
         problems = await asyncio.gather(*[self._ping(index) for index in range(len(
-            self.replicas))])
+            self.problems))])
         for index, (before, now) in enumerate(zip(self.problems, problems, strict=True)):
             if now is not None and before is None:
                 log.warning("replica %d is down: %s", index, now)
@@ -67,12 +74,13 @@ class ReplicaMonitor:
 
     async def _ping(self, index: int) -> str | None:
         """None when the replica answered whole (or was removed); else what is wrong."""
-        if self.replicas[index] is None:  # removed by the autoscaler: nothing to watch
+        replica = self.replicas[index] if self.replicas is not None else None
+        if replica is None:  # removed by the autoscaler: nothing to watch
             return None
         try:
             # half the time for its shards' answers, so its own answer is still in time
             beat = await asyncio.wait_for(
-                self.replicas[index].heartbeat.remote(self.timeout_s / 2), self.timeout_s)
+                replica.heartbeat.remote(self.timeout_s / 2), self.timeout_s)
         except TimeoutError:
             return f"it did not answer within {self.timeout_s} s"
         except Exception as error:  # its process died, or Ray is restarting it

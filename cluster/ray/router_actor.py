@@ -7,7 +7,11 @@ up (replica_monitor.py), ingresses tell it which requests moved after a loss.
 """
 
 import time
+import uuid
 from collections.abc import Sequence
+from dataclasses import dataclass
+
+import ray
 
 from kvstore.block_hash import BlockHash
 from kvstore.directory import CacheDump, EventBatch
@@ -19,6 +23,36 @@ from router.replica_router import ClusterHealth, ReplicaRouter, RouterStats
 # A restarted router starts with an empty directory and no loads: both rebuild themselves (the
 # replicas' next batches show it gaps, so each sends its dump), so Ray may restart it freely.
 ROUTER_ACTOR_OPTIONS = {"max_restarts": -1, "num_cpus": 0}
+NAME_PREFIX = "tandem-router:"
+
+
+@dataclass(frozen=True)
+class RouterAddress:
+    """The router by name, as an actor that Ray may restart finds it. Ray gives a restarted
+    actor its constructor's arguments again, but an actor handle among them is a reference it
+    does not keep for that (it says so at every start, ray-project/ray#53727); a name is looked
+    up anew by each process."""
+
+    name: str
+    namespace: str
+
+    @classmethod
+    def new(cls, group: str = "") -> "RouterAddress":
+        """A name of its own in the caller's namespace; ``group`` (a Serve app's name) lets
+        ``find_routers`` find every router of that group."""
+        return cls(f"{NAME_PREFIX}{group}:{uuid.uuid4().hex[:12]}",
+                   ray.get_runtime_context().namespace)
+
+    def lookup(self) -> object:
+        return ray.get_actor(self.name, namespace=self.namespace)
+
+
+def find_routers(group: str) -> list[RouterAddress]:
+    """The routers alive now of every cluster started with ``group``, in any namespace."""
+    prefix = f"{NAME_PREFIX}{group}:"
+    return [RouterAddress(actor["name"], actor["namespace"])
+            for actor in ray.util.list_named_actors(all_namespaces=True)
+            if actor["name"].startswith(prefix)]
 
 
 class RouterActor:

@@ -39,7 +39,7 @@ from cluster.ray.replica import REPLICA_ACTOR_OPTIONS, ReplicaActor
 from cluster.ray.replica_monitor import MONITOR_ACTOR_OPTIONS, ReplicaMonitor
 from cluster.ray.replica_start import start_replicas
 from cluster.ray.replica_streams import ReplicaStream
-from cluster.ray.router_actor import ROUTER_ACTOR_OPTIONS, RouterActor
+from cluster.ray.router_actor import ROUTER_ACTOR_OPTIONS, RouterActor, RouterAddress
 from cluster.ray.serving_policy import ServingPolicy
 from kvstore.block_hash import BlockHash, ExtraKeys, hash_full_blocks
 from router.admission import Refusal
@@ -78,9 +78,10 @@ class TandemCluster:
     def __init__(self, config: EngineConfig, num_replicas: int = 1,
                  routing: str = "prefix-affinity",
                  autoscaling: AutoscalingPolicy | None = None,
-                 policy: ServingPolicy | None = None) -> None:
+                 policy: ServingPolicy | None = None, group: str = "") -> None:
         """``autoscaling``: add and remove replicas with the load, between its bounds
-        (``num_replicas`` is the count to start with)."""
+        (``num_replicas`` is the count to start with). ``group``: what the router's name
+        starts with, so that ``find_routers(group)`` finds it (a Serve app's name)."""
         if num_replicas < 1:
             raise ValueError(f"num_replicas must be at least 1, got {num_replicas}")
         if routing not in POLICIES:
@@ -97,7 +98,11 @@ class TandemCluster:
         self.config = config
         self.policy = policy = policy or ServingPolicy()
         self._streams: dict[int, ReplicaStream] = {}  # by replica index
-        self.router = ray.remote(RouterActor).options(**ROUTER_ACTOR_OPTIONS).remote(
+        # named: the replicas and the monitor find it by its name (RouterAddress)
+        self.router_address = RouterAddress.new(group)
+        self.router = ray.remote(RouterActor).options(
+            **ROUTER_ACTOR_OPTIONS, name=self.router_address.name,
+            namespace=self.router_address.namespace).remote(
             num_replicas, routing, policy.admission
         )
         self.replicas = [self._replica_actor(index) for index in range(num_replicas)]
@@ -114,11 +119,11 @@ class TandemCluster:
         self.measured_rates = {index: info["transfer_rates"] for index, info in enumerate(infos)}
         self.pull_bandwidth: float | None = None  # the object store's, measured once
         self._set_transfer_rates()
-        # started once every replica is up, so its first round finds them whole
-        self.monitor = ray.remote(ReplicaMonitor).options(**MONITOR_ACTOR_OPTIONS).remote(
-            self.replicas, self.router, policy.health_check_period_s,
-            policy.health_check_timeout_s)
         ray.get(self.router.sync_replicas.remote(dict(enumerate(self.replicas))))
+        # started once every replica is up and the router lists them, so its first round
+        # finds them whole
+        self.monitor = ray.remote(ReplicaMonitor).options(**MONITOR_ACTOR_OPTIONS).remote(
+            self.router_address, policy.health_check_period_s, policy.health_check_timeout_s)
         self.autoscaler: ReplicaAutoscaler | None = None
         if autoscaling is not None:
             self.autoscaler = ReplicaAutoscaler(self, autoscaling)
@@ -137,7 +142,7 @@ class TandemCluster:
 
     def _replica_actor(self, index: int):
         return ray.remote(ReplicaActor).options(**REPLICA_ACTOR_OPTIONS).remote(
-            self.config, index, self.router)
+            self.config, index, self.router_address)
 
     def _kill_all(self) -> None:
         for actor in [*self.replicas, self.router]:
@@ -333,12 +338,7 @@ class TandemCluster:
     async def drain(self, timeout_s: float, poll_s: float = 0.1) -> int:
         """Refuses new requests, then waits up to ``timeout_s`` for those in flight to finish;
         returns how many were still running at the end."""
-        in_flight = await self.router.drain_all.remote()
-        deadline = time.monotonic() + timeout_s
-        while in_flight and time.monotonic() < deadline:
-            await asyncio.sleep(poll_s)
-            in_flight = await self.router.num_in_flight.remote()
-        return in_flight
+        return await drain_routers([self.router], timeout_s, poll_s)
 
     async def router_stats(self) -> RouterStats:
         return await self.router.stats.remote()
@@ -372,3 +372,17 @@ class TandemCluster:
         ray.get([r.shutdown.remote() for i, r in handles.items() if i not in starting])
         for actor in [*handles.values(), self.router]:
             ray.kill(actor)
+
+
+async def drain_routers(routers: Sequence, timeout_s: float, poll_s: float = 0.1) -> int:
+    """Each router refuses new requests, then its requests in flight get up to ``timeout_s``
+    to finish; how many were still running at the end, in all."""
+    async def in_flight(method: str) -> int:
+        return sum(await asyncio.gather(*[getattr(r, method).remote() for r in routers]))
+
+    left = await in_flight("drain_all")
+    deadline = time.monotonic() + timeout_s
+    while left and time.monotonic() < deadline:
+        await asyncio.sleep(poll_s)
+        left = await in_flight("num_in_flight")
+    return left

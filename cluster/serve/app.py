@@ -35,7 +35,12 @@ from cluster.serve.deadlines import deadline_of
 from cluster.serve.failures import not_ready, server_error
 from cluster.serve.health import health_response
 from cluster.serve.http_guards import APIKeyGuard, BodyLimit
-from cluster.serve.openai_errors import APIError, from_validation_errors
+from cluster.serve.openai_errors import (
+    APIError,
+    from_http_error,
+    from_validation_errors,
+    invalid_utf8,
+)
 from cluster.serve.openai_service import OpenAIService
 from cluster.serve.prometheus import make_registry, render
 from cluster.serve.protocol import ChatCompletionRequest, CompletionRequest
@@ -105,10 +110,13 @@ def add_error_handlers(app: FastAPI) -> None:
         assert isinstance(error, RequestValidationError)
         return from_validation_errors(error.errors()).response()
 
-    async def http_error(_: Request, error: Exception) -> Response:
+    async def http_error(request: Request, error: Exception) -> Response:
         assert isinstance(error, HTTPException)
-        kind = "not_found_error" if error.status_code == 404 else "invalid_request_error"
-        return APIError(error.status_code, str(error.detail), type=kind).response()
+        # FastAPI's "error parsing the body" for bytes that are not UTF-8 (JSON's encoding)
+        if error.status_code == 400 and isinstance(error.__cause__, UnicodeDecodeError):
+            return invalid_utf8(error.__cause__).response()
+        return from_http_error(error.status_code, str(error.detail), request.method,
+                               request.url.path, dict(error.headers or {})).response()
 
     async def unexpected(_: Request, error: Exception) -> Response:
         return server_error(error).response()
@@ -119,12 +127,14 @@ def add_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(Exception, unexpected)
 
 
-def start_cluster(config: ServeConfig) -> "TandemCluster":
+def start_cluster(config: ServeConfig, app_name: str = "") -> "TandemCluster":
+    """``app_name``: the Serve app's, which the router's name starts with (`tandem serve`
+    finds it by that to drain it: cluster/cli/drain.py)."""
     from cluster.ray.tandem_cluster import TandemCluster
 
     return TandemCluster(config.engine_config(), num_replicas=config.initial_replicas,
                          routing=config.routing, autoscaling=config.autoscaling,
-                         policy=config.serving_policy())
+                         policy=config.serving_policy(), group=app_name)
 
 
 APP_NAME = "tandem"  # the application `tandem serve` runs
@@ -136,7 +146,8 @@ class EngineHost:
     """Starts the cluster (router and engine replica actors) and owns it while the app lives."""
 
     async def __init__(self, config: ServeConfig) -> None:
-        self.cluster = await asyncio.to_thread(start_cluster, config)
+        app_name = serve.get_replica_context().app_name
+        self.cluster = await asyncio.to_thread(start_cluster, config, app_name)
 
     def handles(self) -> "ClusterHandles":
         return self.cluster.handles()

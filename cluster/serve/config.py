@@ -5,10 +5,19 @@ field; inside, the engine gets a plain ``EngineConfig``.
 """
 
 import json
+import re
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
 
 from cluster import environment
 from cluster.engine.config import DEFAULT_MODEL, EngineConfig
@@ -63,7 +72,9 @@ class ServeConfig(BaseModel):
     kv_cache_dtype: Literal["auto", "int8", "fp8"] = Field(
         "auto", description="How the KV cache stores K and V: auto (as dtype), int8 or fp8 "
         "(e4m3, GPUs of compute capability 8.9+), each with a scale per token and head.")
-    device: str = Field("auto", description="auto | cpu | cuda.")
+    device: str = Field("auto", description="auto (cuda when present, else cpu) | cpu | "
+                        "cuda | cuda:N (served as cuda: Ray gives each shard a GPU of its "
+                        "own).")
     max_model_len: int | None = Field(None, ge=2, description="Context length; default: the "
                                       "model's.")
     num_kv_blocks: int | None = Field(None, ge=1, description="Default: sized from memory.")
@@ -105,6 +116,14 @@ class ServeConfig(BaseModel):
                                                   "min_replicas and max_replicas (fields: "
                                                   "router/autoscale.py); num_replicas, if "
                                                   "given, is the count to start with.")
+
+    @field_validator("device")
+    @classmethod
+    def _a_device(cls, device: str) -> str:
+        if not re.fullmatch(r"auto|cpu|cuda(:[0-9]+)?", device):
+            raise PydanticCustomError("device", "Input should be 'auto', 'cpu', 'cuda' or "
+                                      "'cuda:N'")
+        return device
 
     @model_validator(mode="after")
     def _start_within_the_bounds(self) -> "ServeConfig":

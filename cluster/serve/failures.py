@@ -36,8 +36,8 @@ def as_api_error(error: BaseException, param: str | None = None) -> APIError:
     if isinstance(cause, DeadlineExceeded):
         return APIError(504, str(cause), type="timeout_error", code="deadline_exceeded")
     message = client_message(error)
-    if message is not None:
-        return bad_request(message, param)
+    if message is not None:  # the engine's checks: the prompt is what it refused
+        return bad_request(message, param, code="invalid_prompt")
     return server_error(error)
 
 
@@ -59,14 +59,17 @@ def server_error(error: BaseException) -> APIError:
     log.error("request failed (error reference %s)", reference, exc_info=error)
     cause = root_cause(error)
     if isinstance(cause, RequestFailed):  # the engine wrote its message for the client
-        return APIError(500, f"{cause} (error reference {reference})", type="server_error")
+        return APIError(500, f"{cause} (error reference {reference})", type="server_error",
+                        code="request_failed")
     # an ActorDiedError's cause is what killed the actor: the error itself says what it is
     if any(isinstance(e, ReplicaFailure | ray.exceptions.RayActorError) for e in (error, cause)):
         return APIError(503, "The engine replica running this request failed and is being "
                         f"restarted: retry the request (error reference {reference}).",
-                        type="service_unavailable", retry_after_s=LOST_REPLICA_RETRY_AFTER_S)
+                        type="service_unavailable", code="replica_failed",
+                        retry_after_s=LOST_REPLICA_RETRY_AFTER_S)
     return APIError(500, f"The server failed while running this request (error reference "
-                    f"{reference}); its log has the details.", type="server_error")
+                    f"{reference}); its log has the details.", type="server_error",
+                    code="internal_error")
 
 
 def not_ready(error: BaseException) -> APIError:
@@ -75,7 +78,7 @@ def not_ready(error: BaseException) -> APIError:
     reference = uuid.uuid4().hex[:12]
     log.warning("health check failed (error reference %s): %s", reference, error)
     return APIError(503, f"The engine is not ready: a replica is down or restarting (error "
-                    f"reference {reference}).", type="service_unavailable",
+                    f"reference {reference}).", type="service_unavailable", code="not_ready",
                     retry_after_s=LOST_REPLICA_RETRY_AFTER_S)
 
 

@@ -1,7 +1,8 @@
 """Errors in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``.
 
 Every message here is the server's own words about the request; what the server's insides
-raised never reaches a body (failures.py turns exceptions into these).
+raised never reaches a body (failures.py turns exceptions into these). Every error has a
+``code`` that names the problem, so a client can tell them apart without parsing messages.
 """
 
 import json
@@ -17,16 +18,20 @@ from cluster.serve.unsupported_fields import refusal
 class APIError(Exception):
     """A request the server refuses; becomes a JSON error body with this HTTP status."""
 
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None,
-                 retry_after_s: int | None = None) -> None:
+    def __init__(self, status: int, message: str, *, code: str,
+                 type: str = "invalid_request_error", param: str | None = None,
+                 retry_after_s: int | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.info = ErrorInfo(message=message, type=type, param=param, code=code)
         self.retry_after_s = retry_after_s  # a 503's Retry-After header, in seconds
+        self.headers = headers or {}  # any other (a 405's Allow)
 
     def response(self) -> Response:
-        headers = None if self.retry_after_s is None else {"Retry-After": str(self.retry_after_s)}
+        headers = dict(self.headers)
+        if self.retry_after_s is not None:
+            headers["Retry-After"] = str(self.retry_after_s)
         return Response(self.body(), status_code=self.status, media_type="application/json",
                         headers=headers)
 
@@ -39,7 +44,7 @@ class APIError(Exception):
         return json.dumps(ErrorResponse(error=self.info).model_dump(), separators=(",", ":"))
 
 
-def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+def bad_request(message: str, param: str | None = None, *, code: str) -> APIError:
     return APIError(400, message, param=param, code=code)
 
 
@@ -69,14 +74,46 @@ def from_validation_errors(errors: Sequence[Any]) -> APIError:
     problems, params = [], []
     for error in errors:
         if error.get("type") == "json_invalid":
-            return bad_request(f"The request body is not valid JSON: {error.get('msg')}",
+            where = error.get("loc", ())[1:]
+            detail = (error.get("ctx") or {}).get("error") or error.get("msg")
+            at = f" (at character {where[0]})" if where else ""
+            return bad_request(f"The request body is not valid JSON: {detail}{at}.",
                                code="invalid_json")
         # pydantic names the union member it tried ("str", "list[int]"): not a field
         path = [str(part) for part in error.get("loc", ())[1:] if not is_type_tag(part)]
+        if not path and error.get("type") == "missing":
+            return bad_request("The request body is empty: send a JSON object.",
+                               code="missing_body")
         params.append(path[0] if path else None)
         problems.append(f"{'.'.join(path)}: {error.get('msg')}" if path else str(error["msg"]))
     message = "; ".join(dict.fromkeys(problems[:4])) or "The request body is invalid."
-    return bad_request(message, param=params[0] if params else None, code="invalid_type")
+    missing = all(error.get("type") == "missing" for error in errors)
+    return bad_request(message, param=params[0] if params else None,
+                       code="missing_required_parameter" if missing else "invalid_type")
+
+
+def invalid_utf8(error: UnicodeDecodeError) -> APIError:
+    """The body's bytes are not UTF-8 text (JSON's encoding), before any JSON is parsed."""
+    return bad_request(f"The request body is not valid UTF-8: byte "
+                       f"0x{error.object[error.start]:02x} at position {error.start} "
+                       f"({error.reason}).", code="invalid_utf8")
+
+
+def from_http_error(status: int, detail: str, method: str, path: str,
+                    headers: dict[str, str] | None = None) -> APIError:
+    """Starlette's and FastAPI's own refusals (a path or method the app does not have, a body
+    it could not read), in OpenAI's shape, with a code (``http_<status>`` for any other)."""
+    path = path if len(path) <= 200 else path[:200] + "..."  # the client's: quoted, not all
+    if status == 404:
+        return APIError(404, f"Invalid URL ({method} {path}): no such route.",
+                        type="not_found_error", code="unknown_url")
+    if status == 405:
+        allowed = (headers or {}).get("allow", (headers or {}).get("Allow", ""))
+        return APIError(405, f"Method {method} is not allowed for {path} (allowed: "
+                        f"{allowed or 'none'}).", code="method_not_allowed", headers=headers)
+    if status == 400:
+        return bad_request("The request body could not be read as JSON.", code="invalid_body")
+    return APIError(status, detail, code=f"http_{status}", headers=headers)
 
 
 def is_type_tag(part: object) -> bool:

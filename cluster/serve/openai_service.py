@@ -59,7 +59,8 @@ class OpenAIService:
         self._check_model(request.model)
         self._check_unsupported(request)
         if request.echo and request.logprobs is not None:
-            raise bad_request("echo with logprobs is not supported (no prompt logprobs)", "echo")
+            raise bad_request("echo with logprobs is not supported (no prompt logprobs)", "echo",
+                              code="unsupported_value")
         prompts = self._completion_prompts(request.prompt)
         if request.echo:
             self._check_echo(request.prompt)
@@ -89,12 +90,13 @@ class OpenAIService:
         self._check_model(request.model)
         self._check_unsupported(request)
         if not request.messages:
-            raise bad_request("messages must not be empty", "messages")
+            raise bad_request("messages must not be empty: send at least one message",
+                              "messages", code="empty_messages")
         try:
             ids = apply_chat_template(self.tokenizer,
                                       [m.as_template_message() for m in request.messages])
         except ValueError as error:
-            raise bad_request(str(error), "messages") from error
+            raise bad_request(str(error), "messages", code="invalid_messages") from error
         limit_name = "max_tokens" if request.max_completion_tokens is None \
             else "max_completion_tokens"
         params = self._params(request, request.max_new_tokens, limit_name, request.num_logprobs,
@@ -119,15 +121,17 @@ class OpenAIService:
         """Options vLLM clients send that tandem does not do: a clear 400, never ignored."""
         if request.best_of is not None and request.best_of != request.n:
             raise bad_request(f"best_of is not supported (got {request.best_of} with n = "
-                              f"{request.n}): leave it out or make it equal to n", "best_of")
+                              f"{request.n}): leave it out or make it equal to n", "best_of",
+                              code="unsupported_value")
         kind = (request.response_format or {}).get("type", "text")
         if request.response_format is not None and kind != "text":
             raise bad_request(f"response_format {kind!r} is not supported (only 'text')",
-                              "response_format")
+                              "response_format", code="unsupported_value")
 
     def _check_echo(self, prompt: Prompt) -> None:
         if self.tokenizer is None and not all(isinstance(p, str) for p in prompt_items(prompt)):
-            raise bad_request("echo of token-id prompts needs the model's tokenizer", "echo")
+            raise bad_request("echo of token-id prompts needs the model's tokenizer", "echo",
+                              code="unsupported_value")
 
     def _echoes(self, prompt: Prompt, prompts: list[list[int]]) -> list[str]:
         """Each prompt's text, as given, or decoded from its token ids."""
@@ -137,17 +141,20 @@ class OpenAIService:
     def _completion_prompts(self, prompt: Prompt) -> list[list[int]]:
         items = prompt_items(prompt)
         if not items:
-            raise bad_request("prompt must not be empty", "prompt")
+            raise bad_request("prompt must not be empty: send at least one prompt", "prompt",
+                              code="empty_prompt")
         prompts = [self._tokenize(p) for p in items]
         if not all(prompts):
-            raise bad_request("prompt is empty", "prompt")
+            raise bad_request("prompt is empty: a prompt must have at least one token",
+                              "prompt", code="empty_prompt")
         return prompts
 
     def _tokenize(self, prompt: str | list[int]) -> list[int]:
         if not isinstance(prompt, str):
             return list(prompt)
         if self.tokenizer is None:
-            raise bad_request("this model has no tokenizer: send prompts as token ids", "prompt")
+            raise bad_request("this model has no tokenizer: send prompts as token ids",
+                              "prompt", code="unsupported_value")
         return list(self.tokenizer.encode(prompt))
 
     def _params(self, request: SamplingFields, max_tokens: int | None, limit_name: str,
@@ -165,7 +172,8 @@ class OpenAIService:
                                              logprobs)
         except ValueError as error:
             name = str(error).split(" ", 1)[0]
-            raise bad_request(str(error), name if name.isidentifier() else None) from error
+            raise bad_request(str(error), name if name.isidentifier() else None,
+                              code="invalid_value") from error
         if params.max_tokens > room:  # vLLM's words; the engine would cut it short silently
             raise bad_request(
                 f"'{limit_name}' is too large: {params.max_tokens}. This model's maximum "

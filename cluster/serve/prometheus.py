@@ -18,7 +18,7 @@ from prometheus_client.metrics_core import (
 )
 from prometheus_client.registry import Collector
 
-from cluster.engine.metrics import Histogram, MetricsSnapshot
+from cluster.engine.metrics import CACHE_CONFIG_LABELS, Histogram, MetricsSnapshot
 from router.placement import REASONS
 from router.replica_router import RouterStats
 
@@ -36,6 +36,15 @@ HISTOGRAMS = {  # name -> (snapshot field, help)
                                              "time (aborted requests left out)."),
     "kv_load_latency_seconds": ("kv_load_latency", "Loads of a prefix from the host or disk "
                                 "KV tier: from their start to their blocks on the device."),
+    # vLLM's request histograms, per finished request (aborted ones left out)
+    "request_prompt_tokens": ("request_prompt_tokens", "Prompt tokens of each finished "
+                              "request."),
+    "request_generation_tokens": ("request_generation_tokens", "Tokens generated for each "
+                                  "finished request (all of its n completions)."),
+    "request_prefill_time_seconds": ("request_prefill_time", "A finished request's prefill: "
+                                     "from its first scheduling to its first token."),
+    "request_decode_time_seconds": ("request_decode_time", "A finished request's decode: "
+                                    "from its first token to its last."),
 }
 COUNTERS = {
     "prompt_tokens": ("prompt_tokens", "Prompt tokens processed."),
@@ -92,13 +101,15 @@ GPU_GAUGES = {  # name -> (DeviceStats field, help); from each shard's device, n
     "gpu_memory_reserved_bytes": ("memory_reserved_bytes", "Memory the shard's PyTorch "
                                   "allocator holds: weights, KV cache, activations."),
 }
+CACHE_CONFIG_INFO = "cache_config_info"  # vLLM's: a gauge of 1, the config in its labels
 REJECTION_REASONS = ("overloaded", "draining")
 # every name /metrics exposes (counters with their _total suffix), for docs and tests
 METRIC_NAMES = (
     [PREFIX + name for name in HISTOGRAMS]
     + [PREFIX + name + "_total" for name in [*COUNTERS, "request_success", "prefix_cache_hits",
                                              *TIER_COUNTERS]]
-    + [PREFIX + name for name in [*GAUGES, "kv_cache_usage_perc", "prefix_cache_hit_rate"]]
+    + [PREFIX + name for name in [*GAUGES, "kv_cache_usage_perc", "prefix_cache_hit_rate",
+                                  CACHE_CONFIG_INFO]]
     + [PREFIX + name for name in ROUTER_METRICS]
     # on the CPU these families have no samples: /metrics shows their names only
     + [PREFIX + name for name in GPU_GAUGES]
@@ -179,7 +190,20 @@ class ReplicaCollector(Collector):
         for label, (_, snap) in zip(labels, snapshots, strict=True):
             hit_rate.add_metric(label, snap.prefix_cache_hits / max(snap.prefix_cache_queries, 1))
         yield hit_rate
+        yield self._cache_config(labels, [snap for _, snap in snapshots])
         yield from self._devices(labels, [snap for _, snap in snapshots])
+
+    @staticmethod
+    def _cache_config(labels: list[list[str]], snaps: list[MetricsSnapshot]) -> Metric:
+        """Each replica's KV cache configuration in the labels of a gauge of 1, as vLLM's
+        cache_config_info (none for a replica that runs no engine now)."""
+        info = GaugeMetricFamily(PREFIX + CACHE_CONFIG_INFO, "Information of the engine's KV "
+                                 "cache configuration.", labels=[*LABELS, *CACHE_CONFIG_LABELS])
+        for label, snap in zip(labels, snaps, strict=True):
+            if snap.cache_config:
+                info.add_metric([*label, *(snap.cache_config[key]
+                                           for key in CACHE_CONFIG_LABELS)], 1)
+        return info
 
     @staticmethod
     def _devices(labels: list[list[str]], snaps: list[MetricsSnapshot]) -> Iterator[Metric]:

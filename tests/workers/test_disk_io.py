@@ -15,6 +15,8 @@ from workers.host_layout import layer_tensors
 from workers.kv_offload import KVOffloader
 from workers.layers.parallel import TensorParallelGroup
 
+WAIT_S = 120  # for the other thread: generous, a busy machine may be slow to run it
+
 
 def gated(monkeypatch, module, name):
     """``module.name`` waits for the returned event before doing its work; ``gate.reached``
@@ -24,7 +26,7 @@ def gated(monkeypatch, module, name):
 
     def held(*args, **kwargs):
         gate.reached.set()
-        assert gate.wait(10), "the test never opened the gate"
+        assert gate.wait(WAIT_S), "the test never opened the gate"
         return real(*args, **kwargs)
 
     monkeypatch.setattr(module, name, held)
@@ -64,7 +66,7 @@ def test_a_step_returns_while_its_file_is_written_and_the_file_appears_whole_aft
     report = unflushed(offloader, KVTransfers(to_disk=[DiskWrite(0, h[0], (9,))]))
     # the step wrote slot 0 again right after: the file holds the bytes it had when queued
     unflushed(offloader, KVTransfers(stores=[(4, 0)]))
-    assert gate.reached.wait(10)
+    assert gate.reached.wait(WAIT_S)
     directory = offloader.directory
     path = directory / block_file_name(h[0], 0, 1)
     temps = [p for p in directory.iterdir() if p.name.endswith(".tmp")]
@@ -97,7 +99,13 @@ def test_a_load_from_disk_waits_for_its_reads_while_steps_go_on(tmp_path, monkey
 def test_an_idle_step_waits_for_the_oldest_load_s_reads(tmp_path, monkeypatch):
     offloader, tensors, originals, h = offloader_with_files(tmp_path)
     gate = gated(monkeypatch, workers.disk_io, "read_block_file")
-    threading.Timer(0.2, gate.set).start()  # the reads land while the idle step waits
+    real_wait = workers.disk_io.ReadJob.wait
+
+    def wait_opening_the_gate(job):  # the reads land only once the idle step waits for them
+        gate.set()
+        real_wait(job)
+
+    monkeypatch.setattr(workers.disk_io.ReadJob, "wait", wait_opening_the_gate)
     report = unflushed(offloader, KVTransfers(from_disk=[DiskRead(h[0], (0,), 2)],
                                               loads=[BlockLoad("r", [2], [4])]), idle=True)
     assert report.loaded == {"r": 1}
@@ -163,7 +171,7 @@ def test_a_file_evicted_while_its_write_is_queued_is_deleted_once_written(tmp_pa
     unflushed(offloader, KVTransfers(to_disk=[DiskWrite(0, h[0], (9,))]))
     # the disk tier evicted the block before its file landed: the delete queues after it
     unflushed(offloader, KVTransfers(disk_deletes=[h[0]]))
-    assert gate.reached.wait(10)
+    assert gate.reached.wait(WAIT_S)
     gate.set()
     offloader.flush()
     assert list(offloader.directory.iterdir()) == []  # neither the file nor a temporary one

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from cluster.cli.main import build_parser
-from cluster.cli.serve import check_ports_free, serve_config
+from cluster.cli.serve import check_ports_free, keeps_ray_on_loopback, serve_config
 from cluster.cli.serve_ports import serve_ports
 from cluster.ray.serving_policy import ServingPolicy
 from workers.speculative.config import SpeculativeConfig
@@ -168,3 +168,45 @@ def test_every_port_follows_from_the_port_flag(throughput, ingress, http, proxy,
 def test_a_port_range_past_65535_is_refused_before_anything_starts():
     with pytest.raises(ValueError, match="--port 65535 leaves no room for ports up to 65537"):
         check_ports_free("127.0.0.1", serve_ports(65535, 1, True))
+
+
+def test_device_help_says_what_is_accepted_and_the_rest_is_refused_by_its_flag(monkeypatch,
+                                                                               capsys):
+    monkeypatch.setenv("COLUMNS", "400")  # one line a flag
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--help"])
+    [line] = [line for line in capsys.readouterr().out.splitlines()
+              if line.strip().startswith("--device")]
+    assert line.split(None, 2)[2] == ("auto (default: cuda when present, else cpu) | cpu | cuda "
+                                      "| cuda:N (the same as cuda: Ray gives each shard a GPU of "
+                                      "its own)")
+    for device in ("auto", "cpu", "cuda", "cuda:1"):
+        assert config_of("--device", device).engine_config().device == device
+    for device in ("gpu", "cuda:", "cuda:x", "mps"):
+        with pytest.raises(ValueError) as error:
+            config_of("--device", device)
+        assert str(error.value) == ("invalid server configuration:\n"
+                                    "  --device: Input should be 'auto', 'cpu', 'cuda' or 'cuda:N'")
+
+
+@pytest.mark.parametrize(("host", "ray_address", "ray_started", "on_loopback"), [
+    ("127.0.0.1", None, False, True),
+    ("localhost", None, False, True),
+    ("::1", "local", False, True),
+    ("0.0.0.0", None, False, False),  # every interface: Ray as it was
+    ("10.1.2.3", None, False, False),
+    ("127.0.0.1", "auto", False, False),  # a running cluster's nodes must reach each other
+    ("127.0.0.1", "10.1.2.3:6379", False, False),
+    ("127.0.0.1", None, True, False),  # `ray start` left its address: ray.init() joins it
+])
+def test_a_local_ray_keeps_to_the_loopback_address_when_serving_on_one(
+        monkeypatch, tmp_path, host, ray_address, ray_started, on_loopback):
+    monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))
+    if ray_address is None:
+        monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    else:
+        monkeypatch.setenv("RAY_ADDRESS", ray_address)
+    if ray_started:
+        (tmp_path / "ray").mkdir()
+        (tmp_path / "ray" / "ray_current_cluster").write_text("10.1.2.3:6379")
+    assert keeps_ray_on_loopback(host) is on_loopback

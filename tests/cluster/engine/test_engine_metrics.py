@@ -30,5 +30,15 @@ def test_steps_requests_and_the_load_sample(tiny_models):
     assert snap.request_tokens_per_second.count == 2
     assert snap.request_tokens_per_second.total > 0
     assert snap.devices == () and snap.replica is None  # the CPU has no device to read
+    # vLLM's per-request histograms: a's 12 prompt tokens and b's 5, 3 generated each
+    assert (snap.request_prompt_tokens.count, snap.request_prompt_tokens.total) == (2, 17)
+    assert snap.request_prompt_tokens.counts[2:5] == [1, 0, 1]  # (2, 5], (5, 10], (10, 20]
+    assert (snap.request_generation_tokens.count, snap.request_generation_tokens.total) == (2, 6)
+    assert snap.request_prefill_time.count == snap.request_decode_time.count == 2
+    assert snap.request_prefill_time.total > 0 and snap.request_decode_time.total > 0
+    assert snap.cache_config == {"block_size": "4", "cache_dtype": "auto",
+                                 "enable_prefix_caching": "True",
+                                 "gpu_memory_utilization": "0.9", "num_gpu_blocks": "32",
+                                 "num_cpu_blocks": "None"}
     assert sum(engine.load_sample().ttft_counts) == 2
     engine.shutdown()

@@ -1,6 +1,7 @@
 """The offline API: sampling, seeds, n, logprobs, stops, and clear errors for bad input."""
 
 import json
+import time
 
 import pytest
 import torch
@@ -70,9 +71,11 @@ def test_stop_token_ids_and_max_model_len(llm):
 
 def test_metrics_report_ttft_and_cached_tokens(llm):
     llm.generate(PROMPTS[2], SamplingParams(max_tokens=1))
+    started = time.monotonic()  # the engine's clock
     out = llm.generate(PROMPTS[2], SamplingParams(max_tokens=2))[0]
+    took = time.monotonic() - started
     assert out.metrics.num_cached_tokens == 24  # 25 prompt tokens: 6 full blocks of 4
-    assert 0 < out.metrics.ttft < 60
+    assert 0 < out.metrics.ttft <= took  # in seconds, within the call, however slow it was
 
 
 @pytest.mark.parametrize("prompt, params, message", [

@@ -29,6 +29,7 @@ import ray
 from cluster import EngineConfig, SamplingParams
 from cluster.ray.tandem_cluster import TandemCluster
 from router.autoscale import AutoscalingPolicy
+from tests.cluster.ray.held_replicas import HeldCluster
 from tests.cluster.ray.local_nodes import LocalNodes, wait_for
 
 PROMPT = [5, 6, 7, 8]
@@ -74,7 +75,7 @@ async def until(condition, seconds: float, what: str) -> None:
     await asyncio.to_thread(wait_for, condition, seconds, what, 0.05)
 
 
-async def autoscaling(cluster: TandemCluster, report: dict) -> dict:
+async def autoscaling(cluster: HeldCluster, report: dict) -> dict:
     tick, outputs = Ticks(cluster), {}
 
     def running() -> list[int]:
@@ -87,18 +88,24 @@ async def autoscaling(cluster: TandemCluster, report: dict) -> dict:
     def loads() -> list[int]:
         return [load.num_requests for load in ray.get(cluster.router.stats.remote()).loads]
 
+    # held until the ticks have seen it (held_replicas.py): six running on each replica
+    await asyncio.to_thread(cluster.hold, 6)
     step = [asyncio.create_task(complete(cluster, f"step-{i}", 300)) for i in range(12)]
     await until(lambda: running() == [6, 6], 180, "the load step on replicas 0 and 1")
     await tick()
-    await tick(1.0)  # over target for the upscale delay: replica 2 starts
+    # the nodes before replica 2 asks for one: Ray's autoscaler may add it at once
     before = {node["NodeID"] for node in alive_nodes()}
+    await tick(1.0)  # over target for the upscale delay: replica 2 starts
+    await asyncio.to_thread(cluster.release)
+    # requests sent meanwhile are served by the others: placed and done long before replica
+    # 2 can serve (its node has yet to start, then its shard's process)
+    outputs["during"] = await asyncio.gather(*[complete(cluster, f"during-{i}", 8)
+                                               for i in range(3)])
     # its group fits on neither node: Ray's autoscaler starts a GPU node for it
     added = await asyncio.to_thread(wait_for, lambda: [
         node for node in alive_nodes() if node["NodeID"] not in before], 180, "a GPU node")
     report["added_nodes"] = [{key: node["Resources"][key] for key in ("CPU", "GPU")}
                              for node in added]
-    # requests sent meanwhile are served by the others
-    during = [asyncio.create_task(complete(cluster, f"during-{i}", 8)) for i in range(3)]
     # nothing else is decided while it starts; the fake clock stands still meanwhile, or
     # ticks faster than real time would run out its start timeout on a busy machine
     while tick.autoscaler.starting:
@@ -110,22 +117,24 @@ async def autoscaling(cluster: TandemCluster, report: dict) -> dict:
     report["new_shard_node"] = {"new": shard_node not in before,
                                 **{key: node["Resources"][key] for key in ("CPU", "GPU")}}
     outputs["step"] = await asyncio.gather(*step)
-    outputs["during"] = await asyncio.gather(*during)
-    # the wish to shrink begins while nothing runs, so that one tick alone lies between the
-    # light load's placement and the drain: on a busy machine two ticks took long enough
-    # for the drained replica's request to finish before its drain began
+    # the wish to shrink begins while nothing runs
     await tick()
-    # the light load: one long request on each replica (least-loaded)
+    finished = [ray.get(r.metrics.remote()).finished_requests for r in cluster.replicas]
+    # the light load: one long request on each replica (least-loaded), held running there
+    # until the drain has begun (a tie of one request each: the newest replica drains)
+    await asyncio.to_thread(cluster.hold, 1)
     light = [asyncio.create_task(complete(cluster, f"light-{i}", LONGEST)) for i in range(3)]
-    # placed, not necessarily running: the drain goes by requests in flight (a tie: the
-    # newest replica)
-    await until(lambda: loads() == [1, 1, 1], 180, "one request on each replica")
+    await until(lambda: loads() == [1, 1, 1] and running() == [1, 1, 1], 180,
+                "one request running on each replica")
     await tick(5.0)  # under target for the downscale delay: replica 2 drains
+    await asyncio.to_thread(cluster.release)
     outputs["late"] = [await complete(cluster, "late", 4)]  # goes to another
     outputs["light"] = await asyncio.gather(*light)
-    # no tick until its request is done, so it is still there to ask
-    drained = ray.get(cluster.replicas[2].metrics.remote())
-    report["drained_finished"] = drained.finished_requests
+    # no tick until its request is done, so it is still there to ask: what it finished
+    # since the light load came
+    drained = ray.get(cluster.replicas[2].metrics.remote()).finished_requests
+    report["drained_finished"] = {reason: count - finished[2].get(reason, 0)
+                                  for reason, count in drained.items()}
     await tick(1.0)  # its requests are done: it is removed
     report["history"] = [[a.delta, a.reason, a.replica, a.in_flight]
                          for a in tick.autoscaler.history]
@@ -186,7 +195,7 @@ def main(model: str, out: str) -> None:
         report["node_ids"] = {("b" if "node_b" in n["Resources"] else "head"): n["NodeID"]
                               for n in alive_nodes()}
         start = timed(report, "nodes", start)
-        cluster = TandemCluster(config, num_replicas=2, routing="least-loaded",
+        cluster = HeldCluster(config, num_replicas=2, routing="least-loaded",
                                 autoscaling=POLICY)
         try:
             report["outputs"].update(asyncio.run(two_nodes(cluster, report)))

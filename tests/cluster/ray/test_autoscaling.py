@@ -18,8 +18,11 @@ from ray.util import placement_group_table
 from cluster import EngineConfig, SamplingParams
 from cluster.ray.tandem_cluster import TandemCluster
 from router.autoscale import AutoscalingPolicy
+from tests.cluster.ray.held_replicas import HeldCluster
 
 pytestmark = pytest.mark.ray
+
+WAIT_S = 120  # for what Ray's processes do in their own time: generous on a busy machine
 
 # 12 sequences running are 3x a target of 4; one on each of 2 replicas is 0.25, which one
 # replica would carry at 0.5: under the band, so the cluster shrinks while both still serve
@@ -50,7 +53,7 @@ async def complete(cluster, request_id, max_tokens):
 def test_load_adds_a_replica_and_a_lighter_load_drains_it_away(ray_session, tiny_models):
     groups_before = created_groups()
     # host tiers: each replica measures its copy and prefill rates, which price pulls
-    cluster = TandemCluster(EngineConfig(model=str(tiny_models["llama"]), device="cpu",
+    cluster = HeldCluster(EngineConfig(model=str(tiny_models["llama"]), device="cpu",
                                          block_size=4, num_kv_blocks=1024,
                                          host_kv_cache_gb=0.001),
                             num_replicas=1, routing="least-loaded", autoscaling=POLICY)
@@ -74,7 +77,7 @@ def test_load_adds_a_replica_and_a_lighter_load_drains_it_away(ray_session, tiny
         clock.now += seconds
         return await asyncio.to_thread(autoscaler.tick)
 
-    async def until(condition, seconds=30.0):
+    async def until(condition, seconds=WAIT_S):
         deadline = time.monotonic() + seconds
         while not await asyncio.to_thread(condition):
             assert time.monotonic() < deadline, autoscaler.history
@@ -82,17 +85,22 @@ def test_load_adds_a_replica_and_a_lighter_load_drains_it_away(ray_session, tiny
 
     async def scenario():
         # a load step: 12 long requests on the one replica
+        # held until the ticks have seen it (held_replicas.py)
+        await asyncio.to_thread(cluster.hold, 12)
         step = [asyncio.create_task(complete(cluster, f"step-{i}", 300)) for i in range(12)]
         # placed by the router, then run by the engine: what the autoscaler samples
         await until(lambda: loads() == [12] and running() == [12])
         assert (await tick()).reason == "waiting_to_scale_up"
         assert (await tick(1.0)).reason == "over_target"
+        await asyncio.to_thread(cluster.release)
         # the new replica's shard asks for a group of its own (here there is room for it)
         await until(lambda: created_groups() == groups_before + 2)
         # its engine is being built; nothing else is decided (the fake clock stands still:
         # ticks faster than real time would run out its start timeout on a busy machine)
+        deadline = time.monotonic() + WAIT_S
         while autoscaler.starting:
             assert (await tick()).reason in ("starting", "within_band", "waiting_to_scale_down")
+            assert time.monotonic() < deadline, "the new replica did not start"
             await asyncio.sleep(0.1)
         assert [(a.delta, a.replica) for a in autoscaler.history] == [(1, 1)]
         # serving: its rates count, so pulls between the two get priced

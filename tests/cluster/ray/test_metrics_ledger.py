@@ -39,6 +39,25 @@ def test_counts_add_up_and_gauges_are_the_later_snapshot_s():
     assert total.time_to_first_token.count == 2 and total.kv_blocks_total == 64
 
 
+def test_request_histograms_add_up_and_the_cache_config_is_the_live_engine_s():
+    def served(prompt_tokens: int, blocks: int) -> MetricsSnapshot:
+        metrics = EngineMetrics()
+        metrics.on_request_done(prompt_tokens, 2, prefill_time=0.01, decode_time=0.2)
+        return replace(empty_snapshot(), request_prompt_tokens=metrics.request_prompt_tokens,
+                       request_decode_time=metrics.request_decode_time,
+                       cache_config={"num_gpu_blocks": str(blocks)})
+
+    total = cumulative(served(12, 64), served(5, 32))  # a rebuild with a smaller cache
+    assert (total.request_prompt_tokens.count, total.request_prompt_tokens.total) == (2, 17)
+    assert total.request_decode_time.count == 2
+    assert total.cache_config == {"num_gpu_blocks": "32"}
+    # a replica that does not answer runs nothing we can see: no cache config, counts kept
+    ledger = MetricsLedger(1)
+    ledger.record(0, Heartbeat("a", 0, served(12, 64)))
+    [unreachable] = ledger.totals([False])
+    assert unreachable.cache_config == {} and unreachable.request_prompt_tokens.count == 1
+
+
 def test_the_ledger_keeps_a_dead_process_s_counts_and_ignores_late_answers():
     ledger = MetricsLedger(2)
     ledger.record(0, Heartbeat("a", 0, snapshot(10, 2)))

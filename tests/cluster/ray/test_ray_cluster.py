@@ -17,6 +17,8 @@ from router.placement import Decision
 
 pytestmark = pytest.mark.ray
 
+WAIT_S = 120  # for what Ray's processes do in their own time: generous on a busy machine
+
 PROMPTS = [list(range(30, 52)), [9, 8, 7], [400, 401, 402, 403, 404, 405]]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
 
@@ -104,11 +106,21 @@ def assert_idle_shards_park_and_serve_again(cluster, ray, expected) -> None:
     """Idle shards wait on an event, not by polling their compiled graph's channel (which
     took ~0.9 s of CPU a second each); the next requests unpark them, same tokens."""
     pids = [pid for r in cluster.replicas for pid in ray.get(r.shard_pids.remote())]
-    time.sleep(PARK_AFTER_S + 0.5)
-    before = [cpu_seconds(pid) for pid in pids]
-    time.sleep(2.0)
-    used = [cpu_seconds(pid) - b for pid, b in zip(pids, before, strict=True)]
-    assert all(u < 0.2 for u in used), used  # health pings and Ray's own threads only
+    # each replica parks its shards once idle for PARK_AFTER_S, in its own time
+    deadline = time.monotonic() + WAIT_S
+    while not all(ray.get([r.__ray_call__.remote(lambda self: self.engine.executor.parked
+                                                 is not None) for r in cluster.replicas])):
+        assert time.monotonic() < deadline, f"not parked {WAIT_S} s after {PARK_AFTER_S} s idle"
+        time.sleep(0.1)
+    # parked, they use next to no CPU: measured over 2 s windows, until one shows it (a
+    # window may catch the last of a step, or a burst of Ray's own threads)
+    while True:
+        before = [cpu_seconds(pid) for pid in pids]
+        time.sleep(2.0)
+        used = [cpu_seconds(pid) - b for pid, b in zip(pids, before, strict=True)]
+        if all(u < 0.2 for u in used):  # health pings and Ray's own threads only
+            break
+        assert time.monotonic() < deadline, used
 
     async def run_again():
         return await asyncio.gather(*[stream(cluster, p, f"again{i}")
@@ -142,7 +154,7 @@ def never_lower(before, after) -> None:
         assert not lower, lower
 
 
-def wait_for_health(cluster, status: str, within_s: float = 10.0) -> None:
+def wait_for_health(cluster, status: str, within_s: float = WAIT_S) -> None:
     deadline = time.monotonic() + within_s
     while (seen := asyncio.run(cluster.health()).status) != status:
         assert time.monotonic() < deadline, seen
@@ -233,11 +245,15 @@ def delta(request_id: str, token: int, last: int):
 
 
 class BurstReplica:
-    """A replica that streams a request's tokens 1..5, one message each: the first alone, then
-    the other four at once."""
+    """A replica that streams a request's tokens 1..5, one message each: the first alone, then,
+    once the consumer asks (``send_the_rest``), the other four at once."""
 
     def __init__(self):
         self.queues, self.tasks = {}, []
+        self.rest = asyncio.Event()
+
+    async def send_the_rest(self):
+        self.rest.set()
 
     async def subscribe(self, consumer_id):
         queue = self.queues.setdefault(consumer_id, asyncio.Queue())
@@ -250,7 +266,7 @@ class BurstReplica:
 
         async def produce():
             queue.put_nowait([(request_id, delta(request_id, 1, 5))])
-            await asyncio.sleep(0.3)
+            await self.rest.wait()
             for token in range(2, 6):
                 queue.put_nowait([(request_id, delta(request_id, token, 5))])
 
@@ -277,15 +293,25 @@ def test_a_consumer_that_falls_behind_gets_the_backlog_as_one_output(ray_session
 
     from cluster.ray.tandem_cluster import ClusterHandles
 
-    handles = ClusterHandles([ray.remote(BurstReplica).remote()],
-                             ray.remote(OneReplicaRouter).remote(), "unused", 64, (16, ("m",)))
+    replica = ray.remote(BurstReplica).remote()
+    handles = ClusterHandles([replica], ray.remote(OneReplicaRouter).remote(), "unused", 64,
+                             (16, ("m",)))
     cluster = TandemCluster.attach(handles)
+
+    async def backlog(request_id: str, count: int) -> None:
+        """Waits until ``count`` deltas of the request wait in this process, not yet taken."""
+        deadline = time.monotonic() + WAIT_S
+        while cluster._streams[0].queues[request_id].qsize() < count:
+            assert time.monotonic() < deadline, cluster._streams[0].queues[request_id].qsize()
+            await asyncio.sleep(0.01)
 
     async def consume_slowly():
         outputs = []
         async for output in cluster.generate([1, 2], GREEDY, "slow"):
             outputs.append(output.outputs[0].token_ids)
-            await asyncio.sleep(1.0)  # the other four deltas arrive meanwhile
+            if len(outputs) == 1:  # busy with the first while the other four arrive
+                await replica.send_the_rest.remote()
+                await backlog("slow", 4)
         return outputs
 
     assert asyncio.run(consume_slowly()) == [[1], [1, 2, 3, 4, 5]]

@@ -27,7 +27,7 @@ def pending_groups() -> int:
     return sum(g["state"] == "PENDING" for g in placement_group_table().values())
 
 
-def until(condition, seconds=20.0):
+def until(condition, seconds=120.0):  # generous: what Ray does, on a busy machine
     deadline = time.monotonic() + seconds
     while not condition():
         assert time.monotonic() < deadline
@@ -40,7 +40,7 @@ def hold_free_cpus():
     if free <= 0:
         return None
     group = placement_group([{"CPU": free}])
-    ray.get(group.ready(), timeout=30)
+    ray.get(group.ready(), timeout=120)
     return group
 
 
@@ -56,7 +56,8 @@ def test_a_replica_without_room_fails_at_start_up_after_the_timeout(ray_session,
         with pytest.raises(ReplicaStartTimeout) as error:
             TandemCluster(config(tiny_models), num_replicas=1,
                           policy=ServingPolicy(replica_start_timeout_s=1.5))
-        assert 1.5 <= time.monotonic() - started < 15
+        # not before its timeout, and then without hanging (a bound no busy machine reaches)
+        assert 1.5 <= time.monotonic() - started < 120
         assert str(error.value) == (
             "replica 0 did not come up within 1.5 s: its shards' placement group found no "
             "node with room, or a shard did not start (a pending group is shown by `ray "

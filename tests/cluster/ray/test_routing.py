@@ -29,7 +29,7 @@ async def run(cluster, prompt, request_id, **params):
     return last
 
 
-def wait_for(condition, seconds=10.0):
+def wait_for(condition, seconds=120.0):  # generous: what Ray's processes do, on a busy machine
     deadline = time.monotonic() + seconds
     while not condition():
         assert time.monotonic() < deadline, "timed out"

@@ -89,7 +89,7 @@ def test_a_server_failure_is_a_500_that_shows_nothing_inside(caplog):
     reference = reference_in(body["message"])
     assert body == {"message": f"The server failed while running this request (error reference "
                                f"{reference}); its log has the details.",
-                    "type": "server_error", "param": None, "code": None}
+                    "type": "server_error", "param": None, "code": "internal_error"}
     assert_no_insides(response.text)
     # the whole exception, traceback and all, is in the log under the body's reference
     record = logged_with(caplog, reference)
@@ -124,7 +124,7 @@ def test_a_lost_replica_is_a_503_that_shows_nothing_inside(error):
     assert body["message"] == ("The engine replica running this request failed and is being "
                                "restarted: retry the request (error reference "
                                f"{reference_in(body['message'])}).")
-    assert body["type"] == "service_unavailable"
+    assert (body["type"], body["code"]) == ("service_unavailable", "replica_failed")
     assert_no_insides(response.text)
 
 
@@ -135,6 +135,7 @@ def test_a_request_the_engine_failed_says_so_in_the_engine_s_words():
     assert response.status_code == 500
     message = response.json()["error"]["message"]
     assert message == (f"{error} (error reference {reference_in(message)})")
+    assert response.json()["error"]["code"] == "request_failed"
 
 
 def test_a_prompt_the_engine_refused_is_a_400_in_its_own_words():
@@ -145,7 +146,7 @@ def test_a_prompt_the_engine_refused_is_a_400_in_its_own_words():
     assert response.status_code == 400
     assert response.json()["error"] == {
         "message": "token id 70000 is out of range for a vocabulary of 49152",
-        "type": "invalid_request_error", "param": "prompt", "code": None}
+        "type": "invalid_request_error", "param": "prompt", "code": "invalid_prompt"}
 
 
 def test_a_value_error_that_is_not_ours_is_a_server_failure():
@@ -174,6 +175,7 @@ def test_health_does_not_send_the_replica_s_reason(caplog):
     message = response.json()["error"]["message"]
     assert message == ("The engine is not ready: a replica is down or restarting (error "
                        f"reference {reference_in(message)}).")
+    assert response.json()["error"]["code"] == "not_ready"
     assert "/dev/nvidia0" in logged_with(caplog, reference_in(message)).getMessage()
 
 

@@ -73,7 +73,8 @@ def test_best_of_and_response_format_are_refused_clearly():
     best_of = post({"prompt": [1], "best_of": 3})
     assert best_of.status_code == 400 and best_of.json()["error"] == {
         "message": "best_of is not supported (got 3 with n = 1): leave it out or make it equal "
-                   "to n", "type": "invalid_request_error", "param": "best_of", "code": None}
+                   "to n", "type": "invalid_request_error", "param": "best_of",
+        "code": "unsupported_value"}
     assert post({"prompt": [1], "best_of": 1}).status_code == 200
     json_format = post({"prompt": [1], "response_format": {"type": "json_object"}})
     assert json_format.status_code == 400

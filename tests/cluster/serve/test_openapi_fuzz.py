@@ -1,11 +1,15 @@
 """A schema-driven fuzz of the published OpenAPI document (schemathesis): valid and invalid
-bodies for every route, and not one 5xx, nor a traceback in any body. The app runs in-process
-over a fake cluster that checks prompts as the engine does (token ids in its vocabulary)."""
+bodies for every route, and not one 5xx, nor a traceback in any body, nor an error without a
+code. The app runs in-process over a fake cluster that checks prompts as the engine does
+(token ids in its vocabulary)."""
 
 import asyncio
+import tempfile
+from pathlib import Path
 
 import schemathesis
 from hypothesis import HealthCheck, settings
+from schemathesis.config import SchemathesisConfig
 
 from cluster.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from cluster.serve.app import build_app
@@ -36,7 +40,20 @@ class CheckingCluster(FakeCluster):
 
 app = build_app(OpenAIService(CheckingCluster(), ChatTokenizer(), "fake"),
                 ServeConfig(model="fake", api_key=None, max_body_bytes=1 << 16))
-schema = schemathesis.openapi.from_asgi("/openapi.json", app)
+# schemathesis keeps a cache of responses in .schemathesis/ under the directory it runs in (the
+# checkout) unless told otherwise: off, and pointed at the temp dir should it ever be used
+STATE = Path(tempfile.gettempdir()) / "tandem-schemathesis"
+CONFIG = SchemathesisConfig.from_dict({"cache": {"enabled": False, "directory": str(STATE)}})
+schema = schemathesis.openapi.from_asgi("/openapi.json", app, config=CONFIG)
+CHECKOUT = Path(__file__).resolve().parents[3]
+
+
+def test_schemathesis_keeps_no_state_in_the_checkout():
+    cache = schema.config.cache
+    assert (cache.enabled, cache.directory) == (False, STATE)
+    assert not STATE.resolve().is_relative_to(CHECKOUT)
+    # and should a run leave one all the same, git does not offer it
+    assert ".schemathesis/" in (CHECKOUT / ".gitignore").read_text().splitlines()
 
 
 @schema.parametrize()
@@ -45,3 +62,6 @@ def test_no_input_gets_a_5xx_or_a_traceback(case):
     response = case.call()
     assert response.status_code < 500, (case.body, response.text)
     assert "Traceback" not in response.text and 'File "' not in response.text, response.text
+    if response.status_code >= 400:  # OpenAI's error body, with a code that names the problem
+        error = response.json()["error"]
+        assert error["code"] and error["message"], response.text

@@ -13,14 +13,19 @@ from workers.device_stats import DeviceStats
 GIB = 1 << 30
 
 
-def snapshot(engine: EngineMetrics, replica: int, devices=()) -> MetricsSnapshot:
+def snapshot(engine: EngineMetrics, replica: int, devices=(),
+             cache_config: dict | None = None) -> MetricsSnapshot:
     return MetricsSnapshot(
         engine.time_to_first_token, engine.inter_token_latency, engine.e2e_latency,
         engine.queue_time, prompt_tokens=0, generation_tokens=0, finished_requests={},
         preemptions=0, prefix_cache_queries=0, prefix_cache_hits=0, num_running=0,
         num_waiting=0, batch_size=engine.batch_size, kv_blocks_used=0, kv_blocks_total=8,
         batch_sizes=engine.batch_sizes, request_tokens_per_second=engine.request_tokens_per_second,
-        devices=tuple(devices), replica=replica)
+        devices=tuple(devices), replica=replica,
+        request_prompt_tokens=engine.request_prompt_tokens,
+        request_generation_tokens=engine.request_generation_tokens,
+        request_prefill_time=engine.request_prefill_time,
+        request_decode_time=engine.request_decode_time, cache_config=cache_config or {})
 
 
 def scrape(snapshots, router=None) -> dict:
@@ -113,3 +118,53 @@ def test_removed_replicas_leave_the_routers_per_replica_gauges():
     assert {s.labels["replica"]: s.value for s in held} == {"0": 3, "2": 2}
     in_host = families["tandem:kv_directory_replica_host_blocks"].samples
     assert {s.labels["replica"]: s.value for s in in_host} == {"0": 5, "2": 4}
+
+
+def test_vllm_s_request_histograms_per_finished_request():
+    engine = EngineMetrics()
+    engine.on_request_done(12, 3, prefill_time=0.004, decode_time=0.35)
+    engine.on_request_done(300, 1, prefill_time=0.02, decode_time=0.0)  # its first token ended it
+    engine.on_request_done(7, 0, prefill_time=None, decode_time=None)  # never had a first token
+    families = scrape([snapshot(engine, 0)])
+    tokens = ["1.0", "2.0", "5.0", "10.0", "20.0", "50.0", "100.0", "200.0", "500.0", "1000.0",
+              "2000.0", "5000.0", "10000.0", "20000.0", "50000.0", "100000.0", "200000.0",
+              "500000.0", "1000000.0", "+Inf"]
+    phases = ["0.0005", "0.001", "0.0025", "0.005", "0.01", "0.025", "0.05", "0.1", "0.2",
+              "0.3", "0.5", "0.8", "1.0", "1.5", "2.0", "2.5", "5.0", "10.0", "15.0", "20.0",
+              "30.0", "40.0", "50.0", "60.0", "120.0", "240.0", "480.0", "960.0", "1920.0",
+              "7680.0", "+Inf"]
+
+    def summary(name):
+        family = families[name]
+        assert family.type == "histogram"
+        buckets = {s.labels["le"]: s.value for s in family.samples if s.name.endswith("_bucket")}
+        rest = {s.name.removeprefix(name): s.value for s in family.samples
+                if not s.name.endswith("_bucket")}
+        return bounds(family), buckets, rest
+
+    names, buckets, rest = summary("tandem:request_prompt_tokens")
+    assert names == tokens
+    assert (buckets["5.0"], buckets["10.0"], buckets["20.0"], buckets["500.0"]) == (0, 1, 2, 3)
+    assert rest == {"_count": 3, "_sum": 319}
+    names, buckets, rest = summary("tandem:request_generation_tokens")
+    assert names == tokens and rest == {"_count": 3, "_sum": 4}
+    assert (buckets["1.0"], buckets["2.0"], buckets["5.0"]) == (2, 2, 3)
+    names, buckets, rest = summary("tandem:request_prefill_time_seconds")
+    assert names == phases and rest == {"_count": 2, "_sum": 0.024}
+    assert (buckets["0.0025"], buckets["0.005"], buckets["0.025"]) == (0, 1, 2)
+    names, buckets, rest = summary("tandem:request_decode_time_seconds")
+    assert names == phases and rest == {"_count": 2, "_sum": 0.35}
+    assert (buckets["0.0005"], buckets["0.3"], buckets["0.5"]) == (1, 1, 2)
+
+
+def test_cache_config_info_is_a_gauge_of_one_with_the_config_in_its_labels():
+    config = {"block_size": "16", "cache_dtype": "int8", "enable_prefix_caching": "True",
+              "gpu_memory_utilization": "0.9", "num_gpu_blocks": "4096",
+              "num_cpu_blocks": "None"}
+    # replica 1 runs no engine now (rebuilding): no sample for it
+    families = scrape([snapshot(EngineMetrics(), 0, cache_config=config),
+                       snapshot(EngineMetrics(), 1)])
+    info = families["tandem:cache_config_info"]
+    assert info.type == "gauge"
+    assert [(s.labels, s.value) for s in info.samples] == [
+        ({"model_name": "m", "replica": "0", **config}, 1.0)]

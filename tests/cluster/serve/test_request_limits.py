@@ -51,7 +51,7 @@ def error_of(response: httpx.Response, status: int = 400) -> dict:
     return response.json()["error"]
 
 
-def invalid(message: str, param: str | None, code: str | None = None) -> dict:
+def invalid(message: str, param: str | None, code: str) -> dict:
     return {"message": message, "type": "invalid_request_error", "param": param, "code": code}
 
 
@@ -64,7 +64,7 @@ def test_a_seed_past_64_bits_is_refused(seed):
     response = call("POST", "/v1/completions", {"prompt": [1], "seed": seed}, cluster=cluster)
     error = error_of(response)
     assert error == invalid(f"seed must be a 64-bit integer, in [-2**63, 2**64), got {seed}",
-                            "seed")
+                            "seed", "invalid_value")
     assert cluster.started == []  # refused before the cluster
 
 
@@ -145,7 +145,7 @@ def test_chat_names_the_field_it_got_the_limit_from():
 ])
 def test_counts_and_lengths_are_bounded(extra, message, param):
     error = error_of(call("POST", "/v1/completions", {"prompt": [1], **extra}))
-    assert error == invalid(message, param)
+    assert error == invalid(message, param, "invalid_value")
 
 
 @pytest.mark.parametrize("field, value, shown", [
@@ -157,7 +157,8 @@ def test_counts_and_lengths_are_bounded(extra, message, param):
 def test_floats_must_be_finite(field, value, shown):
     # Python's JSON parser accepts these non-standard literals, so they arrive as floats
     error = error_of(call("POST", "/v1/completions", raw=f'{{"prompt": [1], "{field}": {value}}}'))
-    assert error == invalid(f"{field} must be a finite number, got {shown}", field)
+    assert error == invalid(f"{field} must be a finite number, got {shown}", field,
+                            "invalid_value")
 
 
 # -- fields tandem does not implement ---------------------------------------------------------
@@ -184,7 +185,7 @@ def test_response_format_other_than_text_is_named():
     error = error_of(call("POST", "/v1/chat/completions", {
         "messages": QUESTION, "response_format": {"type": "json_schema"}}))
     assert error == invalid("response_format 'json_schema' is not supported (only 'text')",
-                            "response_format")
+                            "response_format", "unsupported_value")
 
 
 def test_unknown_and_nested_fields_are_named():
@@ -248,3 +249,60 @@ def test_a_model_is_found_by_its_id():
 def test_an_unknown_model_id_is_404(name):
     error = error_of(call("GET", f"/v1/models/{name}"), 404)
     assert error == invalid(f"The model `{name}` does not exist.", "model", "model_not_found")
+
+
+# -- every error names its problem in `code` ---------------------------------------------------
+
+
+def test_an_empty_messages_list_is_named():
+    cluster = RecordingCluster()
+    error = error_of(call("POST", "/v1/chat/completions", {"messages": []}, cluster=cluster))
+    assert error == invalid("messages must not be empty: send at least one message",
+                            "messages", "empty_messages")
+    assert cluster.started == []
+
+
+def test_a_body_that_is_not_utf8_is_named_not_a_parse_error():
+    # FastAPI's own answer was "There was an error parsing the body", code null
+    body = b'{"prompt": "caf\xe9"}'  # Latin-1, not UTF-8
+    error = error_of(call("POST", "/v1/completions", raw=body))
+    assert error == invalid("The request body is not valid UTF-8: byte 0xe9 at position 15 "
+                            "(invalid continuation byte).", None, "invalid_utf8")
+
+
+@pytest.mark.parametrize("method, path, body, status, expected", [
+    ("POST", "/v1/completions", "{not json", 400,
+     invalid("The request body is not valid JSON: Expecting property name enclosed in double "
+             "quotes (at character 1).", None, "invalid_json")),
+    ("POST", "/v1/completions", "", 400,
+     invalid("The request body is empty: send a JSON object.", None, "missing_body")),
+    ("POST", "/v1/completions", {"max_tokens": 4}, 400,
+     invalid("prompt: Field required", "prompt", "missing_required_parameter")),
+    ("POST", "/v1/completions", {"prompt": [1], "temperature": "hot"}, 400,
+     invalid("temperature: Input should be a valid number, unable to parse string as a number",
+             "temperature", "invalid_type")),
+    ("POST", "/v1/completions", {"prompt": []}, 400,
+     invalid("prompt must not be empty: send at least one prompt", "prompt", "empty_prompt")),
+    ("POST", "/v1/completions", {"prompt": [[1], []]}, 400,
+     invalid("prompt is empty: a prompt must have at least one token", "prompt",
+             "empty_prompt")),
+    ("POST", "/v1/completions", {"prompt": [1], "top_p": 1.5}, 400,
+     invalid("top_p must be in (0, 1], got 1.5", "top_p", "invalid_value")),
+    ("POST", "/v1/completions", {"prompt": [1], "echo": True, "logprobs": 1}, 400,
+     invalid("echo with logprobs is not supported (no prompt logprobs)", "echo",
+             "unsupported_value")),
+    ("POST", "/v1/completions", {"prompt": [1], "model": "gpt-4"}, 404,
+     invalid("The model `gpt-4` does not exist.", "model", "model_not_found")),
+    ("POST", "/v1/embeddings", {"input": "hi"}, 404,
+     {"message": "Invalid URL (POST /v1/embeddings): no such route.", "type": "not_found_error",
+      "param": None, "code": "unknown_url"}),
+    ("PUT", "/v1/completions", {"prompt": [1]}, 405,
+     invalid("Method PUT is not allowed for /v1/completions (allowed: POST).", None,
+             "method_not_allowed")),
+])
+def test_every_refusal_has_a_code_that_names_it(method, path, body, status, expected):
+    raw = body if isinstance(body, str) else None
+    response = call(method, path, None if raw is not None else body, raw=raw)
+    assert error_of(response, status) == expected
+    if status == 405:
+        assert response.headers["allow"] == "POST"

@@ -7,6 +7,7 @@ tested in-process (tests/router/test_placement.py)."""
 
 import asyncio
 import socket
+import time
 
 import httpx2 as httpx
 import pytest
@@ -39,10 +40,33 @@ async def complete(client: httpx.AsyncClient, route: str, prompt: list[int]) -> 
     assert response.status_code == 200, response.text
 
 
-async def prefix_hits(client: httpx.AsyncClient, route: str) -> float:
+async def metric(client: httpx.AsyncClient, route: str, name: str) -> float:
+    """The sum of ``name``'s samples on the app's /metrics (over replicas, say)."""
     text = (await client.get(f"/{route}/metrics")).text
     return sum(sample.value for family in text_string_to_metric_families(text)
-               for sample in family.samples if sample.name == "tandem:prefix_cache_hits_total")
+               for sample in family.samples if sample.name == name)
+
+
+async def prefix_hits(client: httpx.AsyncClient, route: str) -> float:
+    return await metric(client, route, "tandem:prefix_cache_hits_total")
+
+
+async def wait_until_the_router_knows_the_prefixes(client: httpx.AsyncClient, route: str,
+                                                   timeout_s: float = 120.0) -> None:
+    """The replicas push their KV events to the router without waiting: polled until its
+    directory lists every group's prefix blocks (distinct prompts: one hash each) and it
+    counts none of the first requests in flight, however busy the machine."""
+    want = NUM_GROUPS * PREFIX_LEN // BLOCK
+    deadline = time.monotonic() + timeout_s
+    while True:
+        blocks = await metric(client, route, "tandem:kv_directory_blocks")
+        in_flight = await metric(client, route, "tandem:router_requests_in_flight")
+        if blocks >= want and in_flight == 0:
+            return
+        assert time.monotonic() < deadline, (
+            f"{route}: the router's directory lists {blocks:g} of the prefixes' {want} blocks "
+            f"and {in_flight:g} requests in flight after {timeout_s} s")
+        await asyncio.sleep(0.1)
 
 
 async def later_hit_share(base_url: str, route: str) -> float:
@@ -50,7 +74,7 @@ async def later_hit_share(base_url: str, route: str) -> float:
     async with httpx.AsyncClient(base_url=base_url, timeout=300) as client:
         await asyncio.gather(*[complete(client, route, prefix(g) + [5, g]) for g in
                                range(NUM_GROUPS)])
-        await asyncio.sleep(0.5)  # the replicas' KV events reach the router
+        await wait_until_the_router_knows_the_prefixes(client, route)
         before = await prefix_hits(client, route)
         # group by group, all at once: alternating policies split each group over both
         await asyncio.gather(*[complete(client, route, prefix(g) + [6, g, i])

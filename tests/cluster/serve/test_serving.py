@@ -161,7 +161,7 @@ def test_bad_requests_get_openai_errors(base_url, route, body, status, param):
                           headers={"Content-Type": "application/json"})
     assert response.status_code == status, response.text
     error = response.json()["error"]
-    assert error["message"] and error["type"]
+    assert error["message"] and error["type"] and error["code"], error
     if param is not None:
         assert error["param"] == param, error
 
@@ -199,7 +199,7 @@ def test_a_bad_seed_or_a_lone_surrogate_is_a_400_while_others_stream_on(client, 
     assert texts == [expected] * 4
     assert seed.status_code == 400 and seed.json()["error"] == {
         "message": "seed must be a 64-bit integer, in [-2**63, 2**64), got 18446744073709551616",
-        "type": "invalid_request_error", "param": "seed", "code": None}
+        "type": "invalid_request_error", "param": "seed", "code": "invalid_value"}
     surrogate = ("is not valid UTF-8 text: character 1 is a lone surrogate ('\\ud800'), which "
                  "has no encoding")
     assert chat.status_code == 400
@@ -216,7 +216,7 @@ def test_disconnect_mid_stream_aborts_and_frees_blocks(client, base_url):
     for _, _chunk in zip(range(3), stream, strict=False):
         pass
     stream.close()
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 120  # generous: the abort reaches the engine in its own time
     while time.monotonic() < deadline:
         after = scrape(base_url)
         if (after["tandem:kv_cache_blocks_used{}"] == 0
