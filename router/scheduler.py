@@ -78,6 +78,14 @@ class ScheduledSequence:
     is_new: bool  # the workers hear of it now: first admission, or again after a preemption
     # speculative tokens verified in this step, the last num_new_tokens' (a decode's 1 + k)
     draft_token_ids: list[int] = field(default_factory=list)
+    # or how many a draft model makes in the worker before the verify (also the last ones)
+    num_model_drafts: int = 0
+
+    @property
+    def num_drafts(self) -> int:
+        """Both only in the speculative benchmark: the draft model runs, its drafts set
+        aside for the benchmark's own (cluster/bench/speculative.py Oracle)."""
+        return len(self.draft_token_ids) or self.num_model_drafts
 
 
 @dataclass
@@ -187,7 +195,10 @@ class Scheduler:
             num_missing = len(seq.token_ids) - num_computed
             num_new = min(num_missing, budget, chunk) if chunk else min(num_missing, budget)
             drafts = self._drafts(seq, budget)
-            num_new += len(drafts)
+            model_drafts = self._model_drafts(seq, budget)
+            if drafts and model_drafts:  # the benchmark's (ScheduledSequence.num_drafts)
+                model_drafts = len(drafts)
+            num_new += len(drafts) or model_drafts
             lookahead = lookahead_len if num_new >= num_missing else 0
             while True:
                 blocks = allocate(seq.request_id, num_computed, num_new,
@@ -200,7 +211,8 @@ class Scheduler:
                 if victim is seq:
                     return budget
             new_ids = [b.block_id for b in blocks] if blocks else []
-            scheduled.append(ScheduledSequence(seq, num_new, new_ids, False, drafts))
+            scheduled.append(ScheduledSequence(seq, num_new, new_ids, False, drafts,
+                                               model_drafts))
             budget -= num_new
             index += 1
         return budget
@@ -213,11 +225,22 @@ class Scheduler:
         if not drafts:  # nothing proposed (speculation off): no new list per sequence a step
             return drafts
         seq.spec_token_ids = []
+        return drafts[: self._draft_room(seq, budget)]
+
+    def _model_drafts(self, seq: Sequence, budget: int) -> int:
+        """``_drafts`` for a draft model's: how many it makes this step (taken likewise)."""
+        wanted, seq.num_model_drafts = seq.num_model_drafts, 0
+        return min(wanted, self._draft_room(seq, budget)) if wanted else 0
+
+    def _draft_room(self, seq: Sequence, budget: int) -> int:
+        """How many drafts a sequence may verify this step: as many as the budget has room
+        for beside its own token, and no more than could be kept (its max_tokens and the
+        model's length take the bonus token too); none unless it decodes."""
         if seq.num_tokens - seq.num_computed_tokens != 1:
-            return []
+            return 0
         room = min(seq.params.max_tokens - seq.num_output_tokens,
                    self.config.max_model_len - seq.num_tokens) - 1
-        return drafts[: max(0, min(room, budget - 1))]
+        return max(0, min(room, budget - 1))
 
     def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> None:
         """Admit waiting sequences in order, skipping (not dequeuing) those that would
@@ -338,8 +361,8 @@ class Scheduler:
             # a call of k steps computes the first input and the k - 1 tokens fed back after it
             tokens = sampled.get(seq.request_id, ())
             num_computed = item.num_new_tokens + output.num_steps - 1
-            if item.draft_token_ids:  # the drafts' K/V holds up to the first rejected one
-                num_computed += len(tokens) - 1 - len(item.draft_token_ids)
+            if item.num_drafts:  # the drafts' K/V holds up to the first rejected one
+                num_computed += len(tokens) - 1 - item.num_drafts
             seq.num_computed_tokens += num_computed
             self._append_until_stop(seq, tokens)
             seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens)
@@ -394,7 +417,7 @@ class Scheduler:
         return None
 
     def _preempt(self, seq: Sequence) -> None:
-        seq.spec_token_ids = []
+        seq.spec_token_ids, seq.num_model_drafts = [], 0
         num_blocks = self.kv.num_cached_blocks(seq.request_id)
         if swap_pays(self.rates, self.kv.num_missing_from_host(seq.request_id), num_blocks,
                      num_blocks * self.kv.block_size):

@@ -44,6 +44,9 @@ class Sequence:
     # proposed for the next step (speculative decoding): verified there, never cached unless
     # accepted; dropped when the sequence is preempted
     spec_token_ids: list[int] = field(default_factory=list)
+    # or how many a draft model makes for it at the start of the next step, in the worker
+    # (the tokens are known there only); dropped on preemption too
+    num_model_drafts: int = 0
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -72,7 +75,7 @@ class Sequence:
         min_tokens masks the stop tokens until the output is long enough, and drafts are
         verified in a step of their own."""
         return (self.params.uses_history or self.num_output_tokens < self.params.min_tokens
-                or bool(self.spec_token_ids))
+                or bool(self.spec_token_ids) or self.num_model_drafts > 0)
 
     @property
     def is_finished(self) -> bool:

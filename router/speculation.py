@@ -1,103 +1,160 @@
 """How many drafts each decoding sequence verifies next step: adaptive speculation.
 
-A verify step of T tokens costs about ``a + b * T`` seconds (``StepCost``, fitted online from
-the engine's own steps). Adding a sequence's j-th draft costs ``b`` and gains the chance that
-it and every draft before it are accepted, alpha^j (``alpha``: that sequence's measured
-acceptance rate). A step of B plain decodes makes B tokens in ``a + b * B``; a draft pays when
-its expected tokens per second beat that rate:
+Every cost is measured, from the engine's own calls (``StepCosts``, least squares with
+exponential forgetting):
 
-    alpha^j / b  >=  B / (a + b * B)      i.e.   alpha^j >= b * B / (a + b * B) = threshold
+    seconds of a call  ~  a * steps + b * tokens + g * draft_steps + h * draft_tokens
 
-The threshold is the share of a plain step's time that grows with its tokens. A small batch
-on a GPU is weight-bound (``a`` dominates): the threshold is near 0 and drafts pay while they
-are likely to be accepted at all. A large batch, or the CPU, is compute-bound (``b * B``
-dominates): the threshold nears 1 and speculation turns itself off. A sequence whose
-acceptance falls stops drafting (k = 0), and drafts use only the budget left (the scheduler
-trims them), so speculation fades under load by itself.
+``a`` and ``b``: the target's step, weight-bound and per token; ``g`` and ``h``: a draft
+model's, per draft step (each of a step's k draft forwards reads the draft's weights) and per
+draft token; plus ``p``, the proposer's own host time for each sequence it is asked about
+(prompt lookup's search; a draft model's is in ``g`` and ``h``).
+
+A plain step of B decodes makes B tokens in ``a + b * B``. Drafts change that to
+``B + sum_i sum_{j<=k_i} alpha_i^j`` expected tokens (``alpha_i``: sequence i's measured
+acceptance; its j-th draft counts only when every one before it is accepted) in
+``a + b * (B + D) + g * K + h * D + p * asked`` (D drafts in all, K the longest row's).
+``choose`` picks the k_i that maximise that rate, or none: each sequence's j-th draft must
+beat the plain rate on its own (``alpha^j >= (b + h) * rate``), then the step's longest
+length K is chosen by the rate of the whole step, so a draft model's per-step cost is paid
+only when the expected tokens cover it. A small batch on a GPU is weight-bound (``a``
+dominates) and drafts pay while they are likely to be accepted; a large batch, or the CPU,
+is compute-bound and speculation turns itself off. A sequence that drafts nothing for a while
+is tried again with one draft, after 16 steps, then 32, ... (``RETRY_AFTER``): an unrelated
+draft model costs almost nothing once it has been found out.
 """
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 PRIOR_ALPHA = 0.6  # before a sequence has verified anything: the brief's break-even guess
 ALPHA_MEMORY = 0.8  # each verified draft moves the estimate by 1 - this
-RETRY_EVERY = 16  # a sequence turned off still drafts every this many steps, to re-measure
+RETRY_AFTER = 16  # steps off before a sequence is tried again; doubled after each failed try
+MAX_RETRY_AFTER = 512
+RCOND = 1e-6  # directions the calls have not told apart are left at 0 (drafts, before any)
 
 
 @dataclass
-class StepCost:
-    """seconds ~ a + b * tokens, by least squares over recent steps (exponential forgetting)."""
+class StepCosts:
+    """seconds ~ features . (a, b, g, h), by least squares over recent calls. Features that
+    move together (at batch 1 a call's tokens are its steps plus its drafts) are parted by the
+    smallest solution: what a decision reads of them, their sum, is still right."""
 
     forget: float = 0.98
-    n: float = 0.0
-    sum_t: float = 0.0
-    sum_s: float = 0.0
-    sum_tt: float = 0.0
-    sum_ts: float = 0.0
+    xtx: np.ndarray = field(default_factory=lambda: np.zeros((4, 4)))
+    xty: np.ndarray = field(default_factory=lambda: np.zeros(4))
+    calls: float = 0.0
 
-    def add(self, tokens: int, seconds: float) -> None:
-        f = self.forget
-        self.n = self.n * f + 1
-        self.sum_t = self.sum_t * f + tokens
-        self.sum_s = self.sum_s * f + seconds
-        self.sum_tt = self.sum_tt * f + tokens * tokens
-        self.sum_ts = self.sum_ts * f + tokens * seconds
+    def add(self, seconds: float, steps: int, tokens: int, draft_steps: int = 0,
+            draft_tokens: int = 0) -> None:
+        x = np.array([steps, tokens, draft_steps, draft_tokens], dtype=np.float64)
+        self.xtx = self.xtx * self.forget + np.outer(x, x)
+        self.xty = self.xty * self.forget + x * seconds
+        self.calls = self.calls * self.forget + 1
 
-    def fit(self) -> tuple[float, float] | None:
-        """(a, b), or None until steps of at least two sizes were seen."""
-        spread = self.n * self.sum_tt - self.sum_t ** 2
-        if self.n < 2 or spread <= 1e-9 * max(self.n * self.sum_tt, 1.0):
+    def fit(self) -> tuple[float, float, float, float] | None:
+        """(a, b, g, h), each at least 0, or None before two calls were seen."""
+        if self.calls < 2:
             return None
-        b = (self.n * self.sum_ts - self.sum_t * self.sum_s) / spread
-        a = (self.sum_s - b * self.sum_t) / self.n
-        return max(a, 0.0), max(b, 0.0)
+        scale = np.sqrt(np.maximum(np.diag(self.xtx), 1e-30))  # columns of like size
+        theta = np.linalg.lstsq(self.xtx / np.outer(scale, scale), self.xty / scale,
+                                rcond=RCOND)[0] / scale
+        a, b, g, h = (max(float(value), 0.0) for value in theta)
+        return a, b, g, h
 
 
 @dataclass
 class Acceptance:
     alpha: float = PRIOR_ALPHA
     steps_off: int = 0
+    retry_after: int = RETRY_AFTER
 
 
 @dataclass
 class DraftLength:
     max_drafts: int
     adaptive: bool = True
-    cost: StepCost = field(default_factory=StepCost)
+    costs: StepCosts = field(default_factory=StepCosts)
     seqs: dict[str, Acceptance] = field(default_factory=dict)
+    proposer_seconds: float = 0.0  # p: host time per sequence asked (moving average)
 
-    def threshold(self, batch_size: int) -> float:
-        fitted = self.cost.fit()
-        if fitted is None:
-            return 0.0  # nothing measured yet: try, and measure
-        a, b = fitted
-        step = a + b * batch_size
-        return b * batch_size / step if step > 0 else 0.0
+    def observe_proposer(self, seconds: float, asked: int) -> None:
+        if asked:
+            per = seconds / asked
+            self.proposer_seconds = 0.9 * self.proposer_seconds + 0.1 * per if \
+                self.proposer_seconds else per
 
-    def choose(self, request_id: str, batch_size: int) -> int:
-        """Drafts for this sequence next step: 0 .. max_drafts."""
+    def choose(self, request_ids: list[str], batch_size: int) -> dict[str, int]:
+        """Drafts for each of ``request_ids`` (those that may draft) next step, in a batch of
+        ``batch_size`` decodes: 0 .. max_drafts each."""
         if not self.adaptive:
-            return self.max_drafts
-        seq = self.seqs.setdefault(request_id, Acceptance())
-        threshold = self.threshold(batch_size)
-        k, chance = 0, 1.0
-        while k < self.max_drafts and chance * seq.alpha >= threshold and seq.alpha > 0:
-            chance *= seq.alpha
-            k += 1
-        if k == 0:
-            seq.steps_off += 1
-            if seq.steps_off >= RETRY_EVERY:  # the text may have turned repetitive since
-                seq.steps_off = 0
-                return 1
-        return k
+            return dict.fromkeys(request_ids, self.max_drafts)
+        seqs = [self.seqs.setdefault(request_id, Acceptance()) for request_id in request_ids]
+        fitted = self.costs.fit()
+        lengths = [0] * len(seqs)
+        if fitted is None:  # nothing measured yet: try, and measure
+            lengths = [self.max_drafts] * len(seqs)
+        else:
+            lengths = self._best_lengths(seqs, batch_size, fitted)
+        chosen = {}
+        for request_id, seq, k in zip(request_ids, seqs, lengths, strict=True):
+            chosen[request_id] = k or self._retry(seq)
+        return chosen
+
+    def _best_lengths(self, seqs: list[Acceptance], batch_size: int,
+                      fitted: tuple[float, float, float, float]) -> list[int]:
+        a, b, g, h = fitted
+        p = self.proposer_seconds
+        plain_time = a + b * batch_size
+        if plain_time <= 0:
+            return [self.max_drafts] * len(seqs)
+        plain_rate = batch_size / plain_time
+        per_draft = b + h
+        # each sequence's own limit: its j-th draft beats the plain rate on its own
+        limits = []
+        for seq in seqs:
+            k, chance = 0, 1.0
+            while k < self.max_drafts and seq.alpha > 0 and (
+                    chance * seq.alpha >= per_draft * plain_rate):
+                chance *= seq.alpha
+                k += 1
+            limits.append(k)
+        best_rate, best_cap = plain_rate, 0
+        for cap in range(1, max(limits, default=0) + 1):
+            lengths = [min(limit, cap) for limit in limits]
+            gain = sum(sum(seq.alpha ** j for j in range(1, k + 1))
+                       for seq, k in zip(seqs, lengths, strict=True))
+            drafts = sum(lengths)
+            asked = sum(1 for k in lengths if k)
+            time = plain_time + per_draft * drafts + g * cap + p * asked
+            rate = (batch_size + gain) / time
+            if rate > best_rate:
+                best_rate, best_cap = rate, cap
+        return [min(limit, best_cap) for limit in limits]
+
+    @staticmethod
+    def _retry(seq: Acceptance) -> int:
+        """0, or 1 when a sequence off for long enough is tried again (the text may have
+        turned repetitive since)."""
+        seq.steps_off += 1
+        if seq.steps_off < seq.retry_after:
+            return 0
+        seq.steps_off = 0
+        seq.retry_after = min(seq.retry_after * 2, MAX_RETRY_AFTER)
+        return 1
 
     def record(self, request_id: str, num_drafts: int, num_accepted: int) -> None:
         """One verify of ``num_drafts`` drafts that kept ``num_accepted``: each draft up to
-        the first rejected one is an observation of alpha (those after it were not tried)."""
+        the first rejected one is an observation of alpha (those after it were not tried).
+        Any accepted draft brings the retry wait back to its start."""
         seq = self.seqs.setdefault(request_id, Acceptance())
         tried = min(num_accepted + 1, num_drafts)
         for index in range(tried):
             accepted = 1.0 if index < num_accepted else 0.0
             seq.alpha = ALPHA_MEMORY * seq.alpha + (1 - ALPHA_MEMORY) * accepted
+        if num_accepted:
+            seq.retry_after = RETRY_AFTER
 
     def forget(self, request_id: str) -> None:
         self.seqs.pop(request_id, None)

@@ -41,6 +41,11 @@ class DecodeRows:
     def seq_lens(self) -> np.ndarray:  # (B,) context after this step
         return self.positions + 1
 
+    def first(self, count: int) -> "DecodeRows":
+        """The first ``count`` rows."""
+        return DecodeRows(self.request_ids[:count], self.input_ids[:count],
+                          self.positions[:count], self.slots[:count], self.block_tables[:count])
+
     def advanced(self, num_steps: int, block_size: int) -> "DecodeRows":
         """The rows ``num_steps`` decode steps later (their input tokens unknown here: the
         caller feeds them from the device). The block table already holds those slots."""

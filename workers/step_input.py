@@ -32,6 +32,9 @@ class ScheduledRequest:
     # speculative tokens after the known ones, the last of the num_new_tokens: verified in
     # this step (the worker samples at each of them and at the token before)
     draft_token_ids: list[int] = field(default_factory=list)
+    # or how many drafts the worker's draft model makes first, greedily, to verify in this
+    # step (workers/speculative/draft_model.py): the last num_new_tokens' too
+    num_model_drafts: int = 0
 
 
 @dataclass
@@ -61,7 +64,5 @@ class StepOutput:
     request_ids: list[str]
     token_ids: list[list[int]]
     logprobs: list[list[TokenLogprobs]] | None = None  # per row, per token
-    # a draft model's proposals for each row's next step (speculative decoding), if it has one
-    draft_token_ids: list[list[int]] | None = None
     # the KV copies between tiers finished since the last step (loads landed, failures)
     transfers: TransferReport | None = None

@@ -64,8 +64,10 @@ class Worker:
         self.centers_digest: str | None = None
         self.graphs = None  # DecodeGraphs once captured (GPU, Triton; every rank or none)
         self.lookahead: Lookahead | None = None  # the next call's first step, already run
-        self.draft = None  # DraftModel: it must see every step (so one step a call), eagerly
-        if config.draft_model_path is not None:
+        # DraftModel, on rank 0 alone: it drafts where a step asks (num_model_drafts) and
+        # broadcasts the drafts to the other ranks
+        self.draft = None
+        if config.draft_model_path is not None and self.is_driver:
             from workers.speculative.draft_model import DraftModel
 
             self.draft = DraftModel(config.draft_model_path, self.dtype, self.device, backend,
@@ -134,9 +136,8 @@ class Worker:
         self._allocate_kv_cache(num_blocks)
         self.offloader = None
         if self.config.host_kv_cache_bytes:
+            # not the draft's: it recomputes what a sequence new to it needs when it drafts
             tensors = layer_tensors(self.kv_caches)
-            if self.draft is not None:  # its K/V rides with the target's, block for block
-                tensors += layer_tensors(self.draft.kv_caches)
             block_bytes = sum(t[0].numel() * t.element_size() for t in tensors)
             num_slots = self.config.host_kv_cache_bytes // block_bytes
             if num_slots < 1:
@@ -251,6 +252,8 @@ class Worker:
         lookahead, self.lookahead = self.lookahead, None  # good for the very next call only
         for request_id in step.released_ids:
             self.states.pop(request_id, None)
+        if self.draft is not None:
+            self.draft.release(step.released_ids)
         for request in step.new_requests:
             self.states[request.request_id] = RequestState.from_new(request, self.device)
         for item in step.scheduled:
@@ -258,49 +261,66 @@ class Worker:
         if not step.scheduled:
             return StepOutput([], []) if self.is_driver else None
         if step.num_steps > 1:
-            if self.draft is not None:
-                raise ValueError("num_steps > 1 with a draft model: it must see every step")
             return self._execute_decode_steps(step.scheduled, step.num_steps, step.lookahead,
                                               lookahead)
-        verify = build_verify_rows(step.scheduled, self.states, self.config.block_size)
+        scheduled = self._with_model_drafts(step.scheduled)
+        verify = build_verify_rows(scheduled, self.states, self.config.block_size)
         if verify is not None:
             return self._execute_verify(verify)
         if self.graphs is not None:
-            rows = build_decode_rows(step.scheduled, self.states, self.config.block_size)
+            rows = build_decode_rows(scheduled, self.states, self.config.block_size)
             hidden = self.graphs.run(rows) if rows is not None else None
             if hidden is not None:  # every rank replayed the same bucket: graphs run in lockstep
-                if self.draft is not None:
-                    self.draft.follow_rows(rows)
-                return self._propose_after(self._sample_and_read(rows.request_ids, hidden))
-        batch = build_input_batch(step.scheduled, self.states, self.config.block_size,
-                                  self.device)
+                return self._sample_and_read(rows.request_ids, hidden)
+        batch = build_input_batch(scheduled, self.states, self.config.block_size, self.device)
         hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
-        if self.draft is not None:
-            self.draft.follow(batch)
         if not batch.sample_request_ids:
             return StepOutput([], []) if self.is_driver else None
         if batch.draft_token_ids is not None:
-            output = self._verify_and_read(batch.sample_request_ids, batch.draft_token_ids,
-                                           hidden[batch.sample_indices])
-        else:
-            output = self._sample_and_read(batch.sample_request_ids, hidden[batch.sample_indices])
-        return self._propose_after(output)
+            return self._verify_and_read(batch.sample_request_ids, batch.draft_token_ids,
+                                         hidden[batch.sample_indices])
+        return self._sample_and_read(batch.sample_request_ids, hidden[batch.sample_indices])
 
     def _execute_verify(self, verify: VerifyRows) -> StepOutput | None:
         """A step of decodes with drafts, as decode rows (workers/input_batch.py): graphed
         when a bucket holds its rows."""
         hidden = self._forward_decode(verify.rows, None)
-        if self.draft is not None:
-            self.draft.follow_rows(verify.rows)
-        output = self._verify_and_read(verify.request_ids, verify.drafts, hidden)
-        return self._propose_after(output)
+        return self._verify_and_read(verify.request_ids, verify.drafts, hidden)
 
-    def _propose_after(self, output: StepOutput | None) -> StepOutput | None:
-        """The draft model's proposals for the rows that sampled, when there is one."""
-        if self.draft is not None and output is not None:
-            states = [self.states[request_id] for request_id in output.request_ids]
-            output.draft_token_ids = self.draft.propose(states, output.token_ids)
-        return output
+    def _with_model_drafts(self, scheduled: list[ScheduledRequest]) -> list[ScheduledRequest]:
+        """The step with the draft model's drafts in the rows that asked for some
+        (``num_model_drafts``), made now on rank 0 and broadcast to the other ranks."""
+        wanted = [index for index, item in enumerate(scheduled) if item.num_model_drafts]
+        if not wanted:
+            return scheduled
+        ids = [scheduled[index].request_id for index in wanted]
+        counts = [scheduled[index].num_model_drafts for index in wanted]
+        drafts = None
+        if self.draft is not None:
+            drafts = self.draft.draft(ids, [self.states[i] for i in ids], counts)
+        elif self.is_driver:
+            raise ValueError("a step asks for a draft model's drafts, but this worker has none")
+        drafts = self._drafts_from_driver(drafts, counts)
+        scheduled = list(scheduled)
+        for index, row in zip(wanted, drafts, strict=True):
+            # drafts it was sent win: the benchmark's, which prices the draft's work alone
+            scheduled[index] = replace(scheduled[index], num_model_drafts=0,
+                                       draft_token_ids=scheduled[index].draft_token_ids or row)
+        return scheduled
+
+    def _drafts_from_driver(self, drafts: list[list[int]] | None,
+                            counts: list[int]) -> list[list[int]]:
+        """Rank 0's drafts on every rank (one broadcast of a padded table under tensor
+        parallelism)."""
+        if self.tp.size == 1:
+            assert drafts is not None
+            return drafts
+        table = torch.zeros((len(counts), max(counts)), dtype=torch.int64, device=self.device)
+        if drafts is not None:
+            for row, values in enumerate(drafts):
+                table[row, : len(values)] = torch.tensor(values, dtype=torch.int64)
+        rows = self.tp.broadcast(table, src=0).tolist()
+        return [row[:count] for row, count in zip(rows, counts, strict=True)]
 
     def _execute_decode_steps(self, scheduled: list[ScheduledRequest], num_steps: int,
                               run_lookahead: bool = False,

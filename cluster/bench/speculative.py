@@ -15,11 +15,12 @@ for the rest of the row. So each configuration runs again with the last run's ow
 the answers, until a run emits exactly what its oracle knew (a few rounds; the earliest
 difference moves later every round). In float32 the first round is already the fixed point.
 
-``--draft-shape`` adds a random draft model of that shape in the target's worker: its cost is
-paid every step while the oracle still sets the acceptance (draft and target are unrelated
-random models); ``--proposer draft`` takes the draft's own proposals instead (the target's
-shape and seed as the draft: the target as its own draft), ``--proposer ngram`` prompt
-lookup's (with ``--prompts code`` on a real model: its acceptance on copy-heavy answers).
+``--draft-shape`` adds a random draft model of that shape in the target's worker: it drafts
+for every row the oracle drafts for (its cost is paid) while the oracle still sets the
+acceptance (draft and target are unrelated random models); ``--proposer draft`` takes the
+draft's own proposals instead (the target's shape and seed as the draft: the target as its own
+draft), ``--proposer ngram`` prompt lookup's (with ``--prompts code`` on a real model: its
+acceptance on copy-heavy answers).
 """
 
 import argparse
@@ -41,8 +42,11 @@ class Oracle:
     a run repeated with the same answers proposes the same drafts."""
 
     def __init__(self, answers: dict[tuple[int, ...], list[int]], alpha: float, vocab: int,
-                 seed: int = 0) -> None:
+                 seed: int = 0, draft_model: bool = False) -> None:
+        """``draft_model``: the engine has one, and it still runs for each row that drafts
+        (its cost is the benchmark's), its own drafts set aside for the oracle's."""
         self.answers, self.alpha, self.vocab, self.seed = answers, alpha, vocab, seed
+        self.draft_model = draft_model
         self.rows = {prompt: row for row, prompt in enumerate(answers)}
 
     def right(self, row: int, position: int) -> bool:
@@ -55,6 +59,11 @@ class Oracle:
         start = seq.num_output_tokens
         return [t if self.right(row, start + j) else (t + 1) % self.vocab
                 for j, t in enumerate(answer[start : start + num_drafts])]
+
+    def ask(self, seq, num_drafts: int) -> None:  # type: ignore[no-untyped-def]
+        seq.spec_token_ids = self.propose(seq, num_drafts)
+        if self.draft_model:
+            seq.num_model_drafts = len(seq.spec_token_ids)
 
 
 def first_difference(tokens: list[int], plain: list[int]) -> int:
@@ -96,7 +105,8 @@ def oracle_run(llm, prompts, plain_tokens, alpha: float, vocab: int,  # type: ig
     speculator = llm.engine.speculator
     answers = {tuple(p): t for p, t in zip(prompts, plain_tokens, strict=True)}
     for rounds in range(1, MAX_ROUNDS + 1):
-        speculator.proposer = Oracle(answers, alpha, vocab)
+        speculator.proposer = Oracle(answers, alpha, vocab,
+                                     draft_model=speculator.draft_model is not None)
         run = counted(llm, prompts, output_len)
         if run["tokens"] == list(answers.values()):
             return run | {"rounds": rounds, "fixed_point": True}
@@ -124,7 +134,7 @@ def plain_runs(setup, batches: list[int], args) -> dict[int, tuple[list, list, f
 
 
 def speculative_engine(setup, args):  # type: ignore[no-untyped-def]
-    config: dict = {"num_speculative_tokens": max(args.k), "adaptive": False}
+    config: dict = {"num_speculative_tokens": max(args.k), "adaptive": args.adaptive}
     if args.draft_model is not None:
         config["model"] = args.draft_model
     elif args.draft_shape is None:
@@ -140,12 +150,8 @@ def speculative_engine(setup, args):  # type: ignore[no-untyped-def]
 
 
 def set_draft_length(llm, k: int) -> None:  # type: ignore[no-untyped-def]
-    """k drafts a step, for the scheduler and for an in-process draft model (whose k steps
-    are the cost a verify step pays)."""
+    """k drafts a step: the scheduler's, and the draft model's (it drafts as many as asked)."""
     llm.engine.speculator.lengths.max_drafts = k
-    draft = getattr(getattr(llm.engine.executor, "worker", None), "draft", None)
-    if draft is not None:
-        draft.num_drafts = k
 
 
 def run_speculative(args: argparse.Namespace) -> int:
@@ -238,4 +244,7 @@ def add_speculative_parser(workloads: argparse._SubParsersAction,
     parser.add_argument("--proposer", choices=["oracle", "draft", "ngram"], default="oracle",
                         help="who proposes: the benchmark's oracle at each --alpha, the draft "
                         "model, or prompt lookup (their own acceptance, measured)")
+    parser.add_argument("--adaptive", action="store_true",
+                        help="the engine chooses each row's drafts from measured costs and "
+                        "acceptance (router/speculation.py), up to k; default: k every step")
     parser.set_defaults(handler=run_speculative)

@@ -157,12 +157,7 @@ class EngineConfig:
             if not ok:
                 raise ValueError(message)
         check_kv_cache_dtype(self.kv_cache_dtype)  # the device's own checks run in its worker
-        speculation = self.speculation  # its own checks, with their messages
-        if (speculation is not None and speculation.model and self.tensor_parallel_size > 1
-                and speculation.placement == "worker"):
-            raise ValueError("a draft model inside the worker needs tensor_parallel_size=1: "
-                             "with more shards give it an actor of its own "
-                             "(\"placement\": \"actor\"), or use prompt lookup")
+        self.speculation  # noqa: B018 - its own checks, with their messages
 
     @property
     def speculation(self) -> SpeculativeConfig | None:
@@ -178,9 +173,6 @@ class EngineConfig:
 
     @property
     def resolved_decode_steps(self) -> int:
-        speculation = self.speculation
-        if speculation is not None and speculation.model:
-            return 1  # a draft model follows every step the target runs
         if self.decode_steps:
             return self.decode_steps
         return 1 if self.resolved_device == "cpu" else AUTO_GPU_DECODE_STEPS

@@ -44,6 +44,22 @@ def make_executor(config: EngineConfig, folder: Path) -> Executor:
     return UniExecutor(worker_config(config, folder))
 
 
+def check_draft_before_download(name: str, target: PretrainedConfig) -> None:
+    """A catalog draft whose vocabulary is not the target's is refused before it is pulled
+    and converted; the message names the catalog models that would pair."""
+    from workers.catalog.entries import CATALOG
+
+    entry = CATALOG.get(name)
+    if entry is None or entry.vocab_size == target.vocab_size:
+        return  # a folder (checked once read), or a catalog model that may pair
+    pairs = [other for other in CATALOG.values() if other.vocab_size == target.vocab_size]
+    hint = (f"catalog drafts for it: {', '.join(e.name for e in pairs)}" if pairs else
+            "no catalog model shares its vocabulary")
+    raise ValueError(f"the draft model {name!r} has a vocabulary of {entry.vocab_size} tokens, "
+                     f"the target {target.vocab_size}: a draft must share the target's "
+                     f"tokenizer ({hint})")
+
+
 def check_draft_model(folder: Path, target: PretrainedConfig) -> None:
     """A draft must speak the target's tokens: the same vocabulary and token ids."""
     draft = load_config(folder)

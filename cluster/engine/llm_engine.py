@@ -14,7 +14,11 @@ from dataclasses import replace
 from pathlib import Path
 
 from cluster.engine.config import EngineConfig
-from cluster.engine.engine_setup import check_draft_model, make_executor
+from cluster.engine.engine_setup import (
+    check_draft_before_download,
+    check_draft_model,
+    make_executor,
+)
 from cluster.engine.executor import Executor
 from cluster.engine.kv_events import KVEventPublisher
 from cluster.engine.kv_tiers import (
@@ -22,7 +26,7 @@ from cluster.engine.kv_tiers import (
     make_rates,
     make_tiers,
 )
-from cluster.engine.metrics import EngineMetrics, LoadSample, MetricsSnapshot
+from cluster.engine.metrics import EngineMetrics, LoadSample, MetricsSnapshot, cache_config_info
 from cluster.engine.output_processor import (
     RequestTracker,
     add_token,
@@ -78,6 +82,7 @@ class LLMEngine:
         self.eos_token_ids = eos_token_ids(self.model_path, self.tokenizer)
         speculation = config.speculation
         if speculation is not None and speculation.model is not None:
+            check_draft_before_download(speculation.model, hf_config)
             check_draft_model(resolve_model(speculation.model, config.cache_dir), hf_config)
         check_tensor_parallel(hf_config, config.tensor_parallel_size)  # before shards start
         if config.disk_kv_cache_dir is not None:  # before the model loads
@@ -113,11 +118,9 @@ class LLMEngine:
                             extra_keys=self.kv_hash_keys[1], tiers=tiers)
         self.replica_index = replica_index
         self.kv_events = None if replica_index is None else KVEventPublisher(kv, replica_index)
-        # a draft model proposes into the k slots after a row's tokens: they are set aside
-        draft_slots = speculation.num_speculative_tokens if speculation and speculation.model else 0
         self.scheduler = Scheduler(SchedulerConfig(
             self.max_model_len, config.max_num_batched_tokens, config.max_num_seqs,
-            config.max_prefill_chunk, num_lookahead_tokens=draft_slots,
+            config.max_prefill_chunk,
             decode_steps=config.resolved_decode_steps,
             decode_lookahead=config.decode_lookahead,
             enable_chunked_prefill=config.enable_chunked_prefill,
@@ -128,6 +131,9 @@ class LLMEngine:
         self.seq_to_request: dict[str, str] = {}
         self._ids = itertools.count()
         self.metrics = EngineMetrics()
+        self.cache_config = cache_config_info(
+            config.block_size, config.kv_cache_dtype, config.enable_prefix_caching,
+            config.gpu_memory_utilization, num_blocks, tiers.host.num_slots if tiers else None)
         self.speculator = None if speculation is None else Speculator(
             speculation, self.metrics, self._draft_actor(speculation, num_blocks, replica_index))
         freeze_start_up_objects()  # full collections would walk all of the above each time
@@ -273,7 +279,7 @@ class LLMEngine:
         started = time.perf_counter()
         step = self.step_builder.build(scheduled, transfers)
         if self.speculator is not None:
-            self.speculator.before_step(step)
+            step = self.speculator.before_step(step)
         result = self.executor.execute(step)
         seconds = time.perf_counter() - started
         if result.transfers is not None and not result.transfers.is_empty:
@@ -317,7 +323,6 @@ class LLMEngine:
             except Exception as error:
                 self._fail(tracker, "turning its tokens into text", error)
         if self.speculator is not None:
-            self.speculator.receive(result)
             self.speculator.observe(scheduled, sampled, seconds)
             self.speculator.forget(finished)
             self.speculator.propose(self.scheduler.running)
@@ -380,6 +385,11 @@ class LLMEngine:
             host_cache_hits=stats.host_cache_hits, disk_cache_hits=stats.disk_cache_hits,
             kv_offloaded_bytes=traffic.offloaded, kv_loaded_bytes=traffic.loaded,
             kv_load_latency=m.kv_load_latency.copy(),
+            request_prompt_tokens=m.request_prompt_tokens.copy(),
+            request_generation_tokens=m.request_generation_tokens.copy(),
+            request_prefill_time=m.request_prefill_time.copy(),
+            request_decode_time=m.request_decode_time.copy(),
+            cache_config=dict(self.cache_config),
         )
 
     def _device_stats(self) -> tuple[DeviceStats, ...]:

@@ -45,7 +45,7 @@ class StepBuilder:
             sent[request_id] = len(token_ids)
             scheduled.append(ScheduledRequest(
                 request_id, seq.num_computed_tokens, item.num_new_tokens, new_tokens, new_blocks,
-                item.draft_token_ids,
+                item.draft_token_ids, item.num_model_drafts,
             ))
         return StepInput(new_requests, scheduled, list(output.released_ids), output.num_steps,
                          output.lookahead, transfers)

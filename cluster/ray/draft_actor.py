@@ -5,16 +5,15 @@ with that model shares it, each with a cache of its own (its blocks are the repl
 ids). The actor asks Ray for its own GPU or a fraction of one (``draft_gpus``), so it can sit
 beside a target of any tensor-parallel size, or on a smaller GPU than the target's.
 
-Per step the engine sends the actor the step's message as it sends it to its workers (the
-draft runs over the same tokens while the target runs) and, once the target's tokens are
-known, asks for the next drafts: one round trip more a step than a draft inside the worker,
-the price of sharing and placing it freely.
+In a step where some rows draft, the engine asks the actor for their drafts before it sends
+the step to its workers (with each row's tokens and blocks gained since it last drafted): one
+round trip more a drafting step than a draft inside the worker, the price of sharing and
+placing it freely. Steps without drafts never reach the actor.
 """
 
 import ray
 
-from workers.speculative.draft_follower import DraftFollower
-from workers.step_input import StepInput
+from workers.speculative.draft_follower import DraftFollower, DraftRow
 
 
 class DraftActor:
@@ -51,12 +50,9 @@ class DraftActor:
     def detach(self, replica: str) -> None:
         self.replicas.pop(replica, None)
 
-    def step(self, replica: str, step: StepInput) -> None:
-        self.replicas[replica].step(step)
-
-    def propose(self, replica: str, request_ids: list[str],
-                emitted: list[list[int]]) -> list[list[int]]:
-        return self.replicas[replica].propose(request_ids, emitted)
+    def draft(self, replica: str, rows: list[DraftRow], released: list[str]
+              ) -> list[list[int]]:
+        return self.replicas[replica].draft_rows(rows, released)
 
 
 def draft_actor(folder: str, dtype: str, device: str, block_size: int, num_drafts: int,

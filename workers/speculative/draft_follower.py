@@ -1,50 +1,57 @@
-"""A draft model that keeps its own copy of the requests' state, for a draft that runs in a
-process of its own (cluster/ray/draft_actor.py) rather than inside the target's worker.
-
-It receives the same step messages as the target's workers and keeps the same request
-states (tokens, block ids) from them, so it runs over exactly the tokens the target runs over,
-into the same slots of a cache indexed by the target's block ids: a rejected draft's K/V sits
-where the next step writes again, and prefix hits, preemption and chunked prefill keep both
-caches in step, as in the worker (workers/speculative/draft_model.py).
+"""A draft model in a process of its own (cluster/ray/draft_actor.py) rather than inside the
+target's worker: it keeps the tokens and block ids of the requests it drafts for, sent to it
+as deltas only when they draft (``DraftRow``), and drafts as the in-worker draft does
+(workers/speculative/draft_model.py), into a cache indexed by the target's block ids.
+Steps in which nothing drafts never reach it.
 """
 
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
 
-from workers.input_batch import build_input_batch, build_verify_rows
-from workers.request_state import RequestState
 from workers.speculative.draft_model import DraftModel
-from workers.step_input import StepInput
+
+
+@dataclass
+class DraftRow:
+    """One row that drafts this step: what its tokens and blocks gained since it last drafted
+    (all of them when ``fresh``: new to the draft, or back after a preemption), and how many
+    drafts it wants."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_block_ids: list[int]
+    num_drafts: int
+    fresh: bool = False
+
+
+@dataclass
+class DraftState:
+    token_ids: list[int] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)
 
 
 class DraftFollower:
     def __init__(self, draft: DraftModel) -> None:
         self.draft = draft
-        self.states: dict[str, RequestState] = {}
+        self.states: dict[str, DraftState] = {}
 
     @torch.inference_mode()
-    def step(self, step: StepInput) -> None:
-        """The target's step, through the draft: its K/V for the step's tokens."""
-        for request_id in step.released_ids:
+    def draft_rows(self, rows: Sequence[DraftRow], released: Sequence[str]) -> list[list[int]]:
+        """Drops the ``released`` requests, brings the rows' states up to date, and drafts."""
+        self.draft.release(list(released))
+        for request_id in released:
             self.states.pop(request_id, None)
-        for request in step.new_requests:
-            self.states[request.request_id] = RequestState.from_new(request, self.draft.device)
-        for item in step.scheduled:
-            self.states[item.request_id].apply(item)
-        if not step.scheduled:
-            return
-        verify = build_verify_rows(step.scheduled, self.states, self.draft.block_size)
-        if verify is not None:
-            self.draft.follow_rows(verify.rows)
-            return
-        self.draft.follow(build_input_batch(step.scheduled, self.states, self.draft.block_size,
-                                            self.draft.device))
-
-    @torch.inference_mode()
-    def propose(self, request_ids: Sequence[str], emitted: Sequence[list[int]]
-                ) -> list[list[int]]:
-        """Drafts after each row's known tokens and the ones the target ``emitted`` this step
-        (not yet in the states: the next step's message brings them)."""
-        states = [self.states[request_id] for request_id in request_ids]
-        return self.draft.propose(states, list(emitted))
+        for row in rows:
+            if row.fresh:
+                self.draft.release([row.request_id])
+                self.states[row.request_id] = DraftState()
+            state = self.states[row.request_id]
+            state.token_ids += row.new_token_ids
+            state.block_ids += row.new_block_ids
+        if not rows:
+            return []
+        ids = [row.request_id for row in rows]
+        return self.draft.draft(ids, [self.states[i] for i in ids],
+                                [row.num_drafts for row in rows])

@@ -1,14 +1,24 @@
-"""A draft model beside the target, in the target's worker: a smaller model of the same
-vocabulary whose paged KV cache is indexed by the target's own block ids.
+"""A draft model beside the target: a smaller model of the same vocabulary whose paged KV
+cache is indexed by the target's own block ids.
 
-Every step it runs over the same tokens as the target (prefill chunks, decodes, verified
-drafts alike, with the same attention metadata), so its cache holds what the target's does:
-a rejected draft's K/V sits in a slot the next step writes again, a prefix hit's blocks were
-filled by the step that computed them, and a preempted sequence is recomputed in both. After
-the step it proposes k tokens for each row that sampled, greedily (a deterministic proposal:
-verification treats it as a one-hot, which keeps sampled output exact at any temperature),
-in k one-token steps into the slots the scheduler set aside after the row's tokens.
+It runs only in the steps where some row drafts, and only for those rows: at the start of
+such a step it brings each row's K/V up to date in one forward over the tokens it has not
+seen (the whole context for a row that never drafted, none for one that drafted last step and
+had its drafts accepted), samples the first draft from that forward's last position, then
+makes the rest in one-token steps (graphed on a GPU), greedily: a deterministic proposal,
+which verification treats as a one-hot and so keeps sampled output exact at any temperature.
+Steps without drafts never touch it, so they run as the plain engine's do (multi-step calls,
+the lookahead step).
+
+Which of its K/V stays valid is settled lazily, the next time a row drafts: draft step j
+wrote position ``L - 2 + j`` (``L``: the row's tokens when it drafted) from draft ``j - 1``,
+so with ``a`` drafts accepted the first ``L - 1 + min(k, a + 1)`` positions hold the right
+K/V; the target's tokens since then say what ``a`` was. A position computed again writes the
+same slot, so a rejected draft's K/V is simply overwritten.
 """
+
+from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -17,14 +27,41 @@ from workers.input_batch import (
     DecodeRows,
     InputBatch,
     block_table_array,
+    build_input_batch,
     forward_decode_rows,
     slots_of,
 )
 from workers.kv_cache import KVCaches, allocate_kv_caches, kv_bytes_per_block
 from workers.layers.parallel import TensorParallelGroup
 from workers.loader import load_model
-from workers.request_state import RequestState
 from workers.sampler import greedy
+from workers.step_input import ScheduledRequest
+
+
+class RowState(Protocol):
+    """What the draft reads of a request: a worker's RequestState, or the draft actor's."""
+
+    token_ids: list[int]
+    block_ids: list[int]
+
+
+@dataclass
+class Drafted:
+    """A row's last drafting: its token count then, and the drafts it made."""
+
+    num_tokens: int
+    drafts: list[int]
+
+    def valid_positions(self, token_ids: list[int]) -> int:
+        """How many leading positions of the draft's cache hold the right K/V, now that the
+        target's ``token_ids`` say which drafts were accepted."""
+        start = self.num_tokens
+        accepted = 0
+        for draft, token in zip(self.drafts, token_ids[start:], strict=False):
+            if draft != token:
+                break
+            accepted += 1
+        return start - 1 + min(len(self.drafts), accepted + 1)
 
 
 class DraftModel:
@@ -37,6 +74,9 @@ class DraftModel:
         self.kv_caches: KVCaches = []
         self.max_model_len = 0
         self.graphs = None  # DecodeGraphs, when the target has graphs too
+        # per request: positions whose K/V is known right, and its last drafting
+        self.computed: dict[str, int] = {}
+        self.drafted: dict[str, Drafted] = {}
 
     def bytes_per_block(self) -> int:
         return kv_bytes_per_block(self.hf_config, 1, self.block_size, self.dtype)
@@ -45,6 +85,8 @@ class DraftModel:
         self.graphs = None  # graphs hold the old cache's addresses
         self.kv_caches = allocate_kv_caches(self.hf_config, 1, num_blocks, self.block_size,
                                             self.dtype, self.device)
+        self.computed.clear()
+        self.drafted.clear()
 
     def build_rotary_table(self, max_model_len: int) -> None:
         self.max_model_len = max_model_len
@@ -61,41 +103,74 @@ class DraftModel:
         graphs.warm_up()
         self.graphs = graphs if graphs.capture() is None else None
 
-    def follow(self, batch: InputBatch) -> None:
-        """The step's tokens through the draft: its K/V, in the same slots as the target's."""
-        self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
+    def release(self, request_ids: list[str]) -> None:
+        """Requests the target dropped (finished, aborted, preempted): a preempted one comes
+        back with blocks of its own, whose K/V the draft has never written."""
+        for request_id in request_ids:
+            self.computed.pop(request_id, None)
+            self.drafted.pop(request_id, None)
 
-    def follow_rows(self, rows: DecodeRows) -> None:
-        """``follow`` for a step of decode rows (a decode or a verify step): graphed."""
-        self._forward_rows(rows, None)
-
-    def _forward_rows(self, rows: DecodeRows, tokens: torch.Tensor | None) -> torch.Tensor:
-        return forward_decode_rows(self.model, self.kv_caches, self.graphs, rows, self.device,
-                                   tokens)
-
-    def propose(self, states: list[RequestState], emitted: list[list[int]]) -> list[list[int]]:
-        """k drafts after each row's tokens (its state's, then ``emitted`` this step); none for
-        a row too near the model's length for k more positions."""
-        rows = [row for row, (state, tokens) in enumerate(zip(states, emitted, strict=True))
-                if tokens and len(state.token_ids) + len(tokens) - 1 + self.num_drafts
-                <= self.max_model_len]
+    def draft(self, request_ids: list[str], states: list[RowState],
+              counts: list[int]) -> list[list[int]]:
+        """``counts[r]`` drafts after each row's tokens (its state's, the newest of which the
+        target computes in this step). Each row's count fits its slots and the model's
+        length: the scheduler allocated the step's 1 + k tokens."""
+        tokens = self._catch_up(request_ids, states)
+        order = sorted(range(len(states)), key=lambda r: -counts[r])  # the longest first
+        rows = self._decode_rows([request_ids[r] for r in order], [states[r] for r in order])
+        tokens = tokens[torch.tensor(order, device=tokens.device)]
+        proposed = [tokens]
+        for index in range(1, max(counts)):
+            live = sum(counts[r] > index for r in order)  # a prefix of ``order``
+            step = rows.first(live).advanced(index, self.block_size)
+            hidden = forward_decode_rows(self.model, self.kv_caches, self.graphs, step,
+                                         self.device, proposed[-1][:live])
+            proposed.append(greedy(self.model.compute_logits(hidden)))
         drafts: list[list[int]] = [[] for _ in states]
-        if not rows:
-            return drafts
-        positions = np.array([len(states[r].token_ids) + len(emitted[r]) - 1 for r in rows],
-                             dtype=np.int64)
-        table = block_table_array([states[r].block_ids for r in rows])
-        first = DecodeRows([str(r) for r in rows],
-                           np.array([emitted[r][-1] for r in rows], dtype=np.int64), positions,
-                           slots_of(table, np.arange(len(rows)), positions, self.block_size),
-                           table)
-        tokens: torch.Tensor | None = None
-        proposed = []
-        for index in range(self.num_drafts):
-            step = first.advanced(index, self.block_size) if index else first
-            hidden = self._forward_rows(step, tokens)
-            tokens = greedy(self.model.compute_logits(hidden))
-            proposed.append(tokens)
-        for row, values in zip(rows, torch.stack(proposed, dim=1).tolist(), strict=True):
-            drafts[row] = values
+        for values in proposed:
+            for rank, token in enumerate(values.tolist()):
+                drafts[order[rank]].append(token)
+        for request_id, state, row in zip(request_ids, states, drafts, strict=True):
+            self.drafted[request_id] = Drafted(len(state.token_ids), row)
         return drafts
+
+    def _catch_up(self, request_ids: list[str], states: list[RowState]) -> torch.Tensor:
+        """The first draft of each row, from one forward over the tokens the draft has not
+        seen up to and including the row's newest: (rows,) on the device."""
+        starts = [self._known(request_id, state) for request_id, state in
+                  zip(request_ids, states, strict=True)]
+        if all(start == len(state.token_ids) - 1 for start, state in
+               zip(starts, states, strict=True)):  # in step: one-token rows, graphed
+            rows = self._decode_rows(request_ids, states)
+            hidden = forward_decode_rows(self.model, self.kv_caches, self.graphs, rows,
+                                         self.device)
+        else:
+            items = [ScheduledRequest(request_id, start, len(state.token_ids) - start)
+                     for request_id, state, start in zip(request_ids, states, starts,
+                                                         strict=True)]
+            by_id = dict(zip(request_ids, states, strict=True))
+            batch: InputBatch = build_input_batch(items, by_id,  # type: ignore[arg-type]
+                                                  self.block_size, self.device)
+            hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
+            hidden = hidden[batch.sample_indices]
+        for request_id, state in zip(request_ids, states, strict=True):
+            self.computed[request_id] = len(state.token_ids)
+        return greedy(self.model.compute_logits(hidden))
+
+    def _known(self, request_id: str, state: RowState) -> int:
+        """Leading positions of the row whose draft K/V is right (settling its last
+        drafting against the tokens the target accepted since)."""
+        drafted = self.drafted.pop(request_id, None)
+        known = self.computed.get(request_id, 0)
+        if drafted is not None:
+            known = drafted.valid_positions(state.token_ids)
+        return min(known, len(state.token_ids) - 1)
+
+    def _decode_rows(self, request_ids: list[str], states: list[RowState]) -> DecodeRows:
+        """The rows' newest tokens as one-token rows at their positions."""
+        positions = np.array([len(state.token_ids) - 1 for state in states], dtype=np.int64)
+        table = block_table_array([state.block_ids for state in states])
+        return DecodeRows(list(request_ids),
+                          np.array([state.token_ids[-1] for state in states], dtype=np.int64),
+                          positions, slots_of(table, np.arange(len(states)), positions,
+                                              self.block_size), table)

@@ -189,7 +189,7 @@ def test_tensor_parallel_2_verifies_the_same_tokens(ray_session, tiny_models, ex
 def test_the_engine_measures_speculation_against_plain_steps():
     metrics = EngineMetrics()
     speculator = Speculator(SpeculativeConfig(num_speculative_tokens=3), metrics)
-    speculator.lengths.cost = fitted(0.010, 0.001)
+    speculator.lengths.costs = fitted(0.010, 0.001)
     a, b = (Sequence(r, [1, 2], SamplingParams()) for r in "ab")
     step = SchedulerOutput([ScheduledSequence(a, 4, [], False, [5, 6, 7]),
                             ScheduledSequence(b, 1, [], False)])
@@ -259,21 +259,77 @@ def test_a_draft_actor_proposes_as_the_worker_draft_does(ray_session, tiny_model
 
 
 @pytest.mark.ray
-def test_a_draft_actor_serves_a_tensor_parallel_2_target(ray_session, tiny_models, expected):
-    """A draft model beside a target of two shards: only as an actor of its own."""
-    with pytest.raises(ValueError, match="a draft model inside the worker needs "
-                                         "tensor_parallel_size=1"):
-        LLM(str(tiny_models["llama"]), device="cpu", tensor_parallel_size=2,
-            distributed_executor_backend="ray",
-            speculative_config=draft(tiny_models["llama"], 2))
+@pytest.mark.parametrize("placement", ["worker", "actor"])
+def test_a_draft_model_serves_a_tensor_parallel_2_target(ray_session, tiny_models, expected,
+                                                          placement):
+    """A draft model beside a target of two shards: in rank 0's worker (its drafts broadcast
+    to the other rank) or as an actor of its own."""
     llm = LLM(str(tiny_models["llama"]), device="cpu", block_size=4, num_kv_blocks=128,
               tensor_parallel_size=2, distributed_executor_backend="ray",
-              speculative_config=draft(tiny_models["llama"], 2) | {"placement": "actor"})
+              speculative_config=draft(tiny_models["llama"], 2) | {"placement": placement})
     try:
         outputs = llm.generate(PROMPTS, GREEDY)
         assert [out.token_ids for out in outputs] == expected
         stats = llm.stats()
+        assert stats.spec_decode_num_draft_tokens > 0
         assert stats.spec_decode_num_accepted_tokens >= 0.95 * stats.spec_decode_num_draft_tokens
         llm.engine.scheduler.kv.check_integrity()
     finally:
         llm.engine.shutdown()
+
+
+def test_a_catalog_draft_of_another_vocabulary_is_refused_before_it_is_pulled(tiny_models,
+                                                                              tmp_path):
+    with pytest.raises(ValueError) as error:
+        LLM(str(tiny_models["llama"]), device="cpu", cache_dir=str(tmp_path),
+            speculative_config={"model": "qwen2.5-coder-0.5b-instruct"})
+    assert str(error.value) == (
+        "the draft model 'qwen2.5-coder-0.5b-instruct' has a vocabulary of 151936 tokens, the "
+        "target 1001: a draft must share the target's tokenizer (no catalog model shares its "
+        "vocabulary)")
+    assert list(tmp_path.iterdir()) == []  # nothing pulled
+
+
+class EveryThird:
+    """``DraftLength.choose`` that drafts k for everyone one call in three, else nothing."""
+
+    def __init__(self, k: int) -> None:
+        self.k, self.calls = k, 0
+
+    def __call__(self, request_ids, batch_size):  # type: ignore[no-untyped-def]
+        self.calls += 1
+        return dict.fromkeys(request_ids, self.k if self.calls % 3 == 0 else 0)
+
+
+def test_a_step_without_drafts_is_the_plain_step_and_never_runs_the_draft(tiny_models,
+                                                                          expected):
+    llm = LLM(str(tiny_models["llama"]), device="cpu", dtype="float32", block_size=4,
+              num_kv_blocks=256, decode_steps=4,
+              speculative_config=draft(tiny_models["llama"], 3, adaptive=True))
+    llm.engine.speculator.lengths.choose = EveryThird(3)
+    worker = llm.engine.executor.worker
+    forwards = []
+    model = worker.draft.model
+
+    def counted(*args):  # type: ignore[no-untyped-def]
+        forwards[-1][2] += 1
+        return model(*args)
+
+    worker.draft.model = type("Counted", (), {"__call__": staticmethod(counted),
+                                              "__getattr__": lambda _, n: getattr(model, n)})()
+    execute = worker.execute
+
+    def recorded(step):  # type: ignore[no-untyped-def]
+        forwards.append([step.num_steps, any(i.num_model_drafts for i in step.scheduled), 0])
+        return execute(step)
+
+    worker.execute = recorded
+    outputs = llm.generate(PROMPTS, GREEDY)
+    assert [out.token_ids for out in outputs] == expected
+    drafting = [f for f in forwards if f[1]]
+    plain = [f for f in forwards if not f[1]]
+    assert drafting and all(steps == 1 and count > 0 for steps, _, count in drafting)
+    assert all(count == 0 for _, _, count in plain)  # the draft never runs without drafts
+    assert any(steps > 1 for steps, _, _ in plain)  # multi-step calls between drafting steps
+    stats = llm.stats()
+    assert stats.spec_decode_num_accepted_tokens >= 0.95 * stats.spec_decode_num_draft_tokens
