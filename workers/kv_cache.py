@@ -2,8 +2,11 @@
 (kvstore/kv_format.py): the model's dtype, or int8 / fp8 elements with a float16 scale per
 token and kv head beside each layer's K and V."""
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
 import torch
-from transformers import PretrainedConfig
 
 from kvstore.kv_format import KVFormat, check_device_supports
 from kvstore.kv_format import kv_format as format_named
@@ -11,6 +14,9 @@ from workers.attention.key_rotation import key_rotation
 from workers.attention.kv_quant import SCALE_DTYPE, element_dtype
 from workers.attention.layer_cache import LayerKVCache
 from workers.models.llama import kv_cache_shape_per_layer, num_layers
+
+if TYPE_CHECKING:  # transformers is imported where a config is read, not to run a shard
+    from transformers import PretrainedConfig
 
 KVCaches = list[LayerKVCache]
 

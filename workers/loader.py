@@ -4,16 +4,21 @@ Tensors are read lazily, one at a time, and each parameter's weight_loader copie
 rank's shard, so a rank never holds more than its shard plus one full checkpoint tensor.
 """
 
+from __future__ import annotations
+
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import safe_open
-from transformers import AutoConfig, PretrainedConfig
 
 from workers.layers.parallel import TensorParallelGroup
 from workers.models.registry import model_class_for
+
+if TYPE_CHECKING:  # transformers is imported where a config is read, not to run a shard
+    from transformers import PretrainedConfig
 
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -41,6 +46,8 @@ def iterate_weights(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
 def load_config(folder: Path) -> PretrainedConfig:
     if not (folder / "config.json").is_file():
         raise FileNotFoundError(f"no config.json in {folder}")
+    from transformers import AutoConfig
+
     return AutoConfig.from_pretrained(str(folder), local_files_only=True)
 
 
@@ -63,14 +70,17 @@ def load_model(
     tp: TensorParallelGroup,
     backend,
     fused: bool | None = None,
+    config: PretrainedConfig | None = None,
 ) -> tuple[torch.nn.Module, PretrainedConfig]:
     """Returns (model in eval mode with this rank's shards loaded, config).
 
-    fused: Triton kernels for RMSNorm, rotary and SiLU; None picks fused_kernels_by_default."""
+    fused: Triton kernels for RMSNorm, rotary and SiLU; None picks fused_kernels_by_default.
+    config: the folder's config, already read (workers/model_config.py); None reads it."""
     if fused is None:
         fused = fused_kernels_by_default(device, backend)
     folder = Path(folder)
-    config = load_config(folder)
+    if config is None:
+        config = load_config(folder)
     model_class = model_class_for(config)
     files = weight_files(folder)  # fail before building a large model for nothing
     # built straight on the device; parameters are uninitialized until load_weights fills them

@@ -27,6 +27,7 @@ from workers.kv_cache import KVCaches, allocate_kv_caches, kv_bytes_per_block, r
 from workers.kv_offload import KVOffloader
 from workers.layers.parallel import TensorParallelGroup
 from workers.loader import load_model
+from workers.model_config import ModelConfig
 from workers.pending import Lookahead, PendingRead, copied_event, to_host
 from workers.request_state import RequestState, TokenHistory
 from workers.sampler import Sampler, SamplerOutput, SamplingSpec
@@ -51,8 +52,10 @@ class Worker:
         self.dtype = config.torch_dtype
         self.kv_format = resolve_kv_format(config.kv_cache_dtype, self.dtype, self.device)
         backend = make_attention_backend(config.attention_backend, self.device)
+        read = None if config.model_config is None else ModelConfig(config.model_config)
         self.model, self.hf_config = load_model(
-            config.model_path, self.dtype, self.device, self.tp, backend
+            config.model_path, self.dtype, self.device, self.tp, backend,
+            config=read,  # type: ignore[arg-type]
         )
         generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.sampler = Sampler(generator)

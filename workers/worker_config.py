@@ -33,6 +33,8 @@ class WorkerConfig:
     num_speculative_tokens: int = 0  # drafts it proposes a row
     host_kv_cache_bytes: int = 0  # this shard's host buffer for offloaded KV blocks; 0: none
     disk_kv_cache_dir: str | None = None  # block files below the host buffer (needs one)
+    # the model's config as the engine read it (workers/model_config.py); None: read the folder
+    model_config: dict | None = None
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -12,7 +12,8 @@ from workers.loader import load_config
 from workers.worker import WorkerConfig
 
 
-def worker_config(config: EngineConfig, folder: Path) -> WorkerConfig:
+def worker_config(config: EngineConfig, folder: Path,
+                  model_config: dict | None = None) -> WorkerConfig:
     speculation = config.speculation
     draft = None  # a draft model in the worker; placement "actor" keeps it out
     if speculation is not None and speculation.model is not None \
@@ -32,16 +33,19 @@ def worker_config(config: EngineConfig, folder: Path) -> WorkerConfig:
         draft_model_path=draft,
         num_speculative_tokens=speculation.num_speculative_tokens if draft else 0,
         host_kv_cache_bytes=host_bytes_per_shard(config),
-        disk_kv_cache_dir=config.disk_kv_cache_dir,
+        disk_kv_cache_dir=config.disk_kv_cache_dir, model_config=model_config,
     )
 
 
-def make_executor(config: EngineConfig, folder: Path) -> Executor:
+def make_executor(config: EngineConfig, folder: Path,
+                  model_config: dict | None = None) -> Executor:
+    """``model_config``: the folder's config as the engine read it, handed to the shards."""
     if config.executor_backend == "ray":
         from cluster.ray.ray_executor import RayExecutor
 
-        return RayExecutor(worker_config(config, folder), config.tensor_parallel_size)
-    return UniExecutor(worker_config(config, folder))
+        return RayExecutor(worker_config(config, folder, model_config),
+                           config.tensor_parallel_size)
+    return UniExecutor(worker_config(config, folder, model_config))
 
 
 def check_draft_before_download(name: str, target: PretrainedConfig) -> None:

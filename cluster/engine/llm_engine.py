@@ -87,7 +87,7 @@ class LLMEngine:
         check_tensor_parallel(hf_config, config.tensor_parallel_size)  # before shards start
         if config.disk_kv_cache_dir is not None:  # before the model loads
             check_directory(Path(config.disk_kv_cache_dir))
-        self.executor = executor or make_executor(config, self.model_path)
+        self.executor = executor or make_executor(config, self.model_path, hf_config.to_dict())
         num_blocks = config.num_kv_blocks or self.executor.determine_num_kv_blocks()
         offload = self.executor.init_kv_cache(num_blocks)
         tiers = make_tiers(config, offload)

@@ -15,15 +15,20 @@ heads; the centers' digest, which the engine hashes into the blocks' keys, cover
 rank's (gathered), so two processes share blocks only when their m is the same to the bit.
 """
 
+from __future__ import annotations
+
 import hashlib
+from typing import TYPE_CHECKING
 
 import torch
-from transformers import PretrainedConfig
 
 from kvstore.kv_format import KVFormat
 from workers.attention.metadata import whole_sequence
 from workers.kv_cache import allocate_kv_caches, kv_cache_shape_per_layer
 from workers.layers.parallel import TensorParallelGroup
+
+if TYPE_CHECKING:  # transformers is imported where a config is read, not to run a shard
+    from transformers import PretrainedConfig
 
 CALIBRATION_TOKENS = 512
 CALIBRATION_SEED = 0

@@ -5,11 +5,16 @@ so that float32 outputs match HF bit for bit: rounding differences in cos/sin at
 with p and can flip a greedy token late in a long generation.
 """
 
+from __future__ import annotations
+
 import math
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
-from transformers import PretrainedConfig
+
+if TYPE_CHECKING:  # transformers is imported where a config is read, not to run a shard
+    from transformers import PretrainedConfig
 
 
 def rope_parameters(config: PretrainedConfig) -> dict:

@@ -16,14 +16,16 @@ With ``fused=False`` the layers are plain PyTorch, operation for operation HF's,
 outputs match HF on the CPU.
 """
 
+from __future__ import annotations
+
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from transformers import PretrainedConfig
 
 from workers.attention.key_rotation import rotate, stored_keys
 from workers.attention.layer_cache import LayerKVCache
@@ -39,6 +41,9 @@ from workers.layers.linear import (
 from workers.layers.norm import FusedRMSNorm, RMSNorm
 from workers.layers.parallel import TensorParallelGroup
 from workers.layers.rotary import RotaryEmbedding, apply_rotary
+
+if TYPE_CHECKING:  # transformers is imported where a config is read, not to run a shard
+    from transformers import PretrainedConfig
 
 # (fused parameter, checkpoint name, shard id): checkpoint tensors that load into a slice
 STACKED_PARAMS = (
@@ -58,7 +63,7 @@ class DecoderFlavor:
     qk_norm: bool
 
     @classmethod
-    def of(cls, config: PretrainedConfig) -> "DecoderFlavor":
+    def of(cls, config: PretrainedConfig) -> DecoderFlavor:
         attention_bias = getattr(config, "attention_bias", False)
         return cls(
             qkv_bias=attention_bias or config.model_type == "qwen2",

@@ -1,9 +1,15 @@
 """Which model class runs a checkpoint, chosen by ``config.architectures[0]``."""
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
 from torch import nn
-from transformers import PretrainedConfig
 
 from workers.models.llama import LlamaForCausalLM
+
+if TYPE_CHECKING:  # transformers is imported where a config is read, not to run a shard
+    from transformers import PretrainedConfig
 
 # the four families share one decoder; DecoderFlavor.of(config) picks their differences
 MODEL_CLASSES: dict[str, type[nn.Module]] = {
