@@ -7,6 +7,9 @@ where it takes down every request in the batch, not only its own.
 
 import math
 from dataclasses import dataclass
+from typing import Any
+
+from router.structured_outputs import StructuredOutputs
 
 # torch.Generator.manual_seed takes any 64-bit integer, signed or not (a negative seed is
 # its two's complement); anything outside overflows in the sampler's per-request setup
@@ -17,6 +20,9 @@ MAX_N = 128
 # sets how much text is held back while streaming: both stay small
 MAX_STOP_STRINGS = 32
 MAX_STOP_LENGTH = 256
+# OpenAI's bounds: a bias of +-100 bans or forces a token; at most 300 of them
+MAX_LOGIT_BIAS = 100.0
+MAX_LOGIT_BIAS_TOKENS = 300
 
 
 @dataclass
@@ -37,8 +43,16 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # top-n logprobs for each generated token
     cache_salt: str | None = None
+    # the output must match this (a JSON schema, regex, choice, grammar or structural tag);
+    # a dict is taken as StructuredOutputs' fields
+    structured_outputs: StructuredOutputs | None = None
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit
 
     def __post_init__(self) -> None:
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputs(**self.structured_outputs)
+        if self.logit_bias is not None:
+            self.logit_bias = {int(k): float(v) for k, v in self._bias_items()}
         # callers pass lists or a single string; inside, stops are tuples
         self.stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         self.stop_token_ids = tuple(self.stop_token_ids)
@@ -96,8 +110,36 @@ class SamplingParams:
             ),
             (all(self.stop), "stop strings must not be empty"),
             (all(t >= 0 for t in self.stop_token_ids), "stop_token_ids must be >= 0"),
+            *self._constraint_checks(),
         ]
         return [message for ok, message in checks if not ok]
+
+    def _bias_items(self) -> list[tuple[Any, Any]]:
+        items = list(dict(self.logit_bias or {}).items())
+        for key, value in items:
+            try:
+                int(key), float(value)
+            except (TypeError, ValueError):
+                raise ValueError(f"logit_bias maps token ids to numbers, got {key!r}: "
+                                 f"{value!r}") from None
+        return items
+
+    def _constraint_checks(self) -> list[tuple[bool, str]]:
+        bias = self.logit_bias or {}
+        structured = self.structured_outputs is not None
+        return [
+            (len(bias) <= MAX_LOGIT_BIAS_TOKENS,
+             f"logit_bias may hold at most {MAX_LOGIT_BIAS_TOKENS} tokens, got {len(bias)}"),
+            (all(t >= 0 for t in bias), "logit_bias token ids must be >= 0"),
+            (all(math.isfinite(v) and abs(v) <= MAX_LOGIT_BIAS for v in bias.values()),
+             f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]"),
+            (not (structured and self.ignore_eos),
+             "ignore_eos cannot be used with structured outputs: the grammar decides where "
+             "the output ends"),
+            (not (structured and self.min_tokens),
+             "min_tokens cannot be used with structured outputs: the grammar decides where "
+             "the output ends"),
+        ]
 
     @property
     def uses_history(self) -> bool:

@@ -3,6 +3,7 @@
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from router.sampling_params import SamplingParams
 
@@ -47,6 +48,8 @@ class Sequence:
     # or how many a draft model makes for it at the start of the next step, in the worker
     # (the tokens are known there only); dropped on preemption too
     num_model_drafts: int = 0
+    # the compiled grammar of params.structured_outputs, once compiled (the engine's)
+    grammar: Any = None
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -73,9 +76,10 @@ class Sequence:
     def needs_single_steps(self) -> bool:
         """Each step's sampling reads what the step before gave: penalties read the history,
         min_tokens masks the stop tokens until the output is long enough, and drafts are
-        verified in a step of their own."""
+        verified in a step of their own; a grammar's mask needs the token before it."""
         return (self.params.uses_history or self.num_output_tokens < self.params.min_tokens
-                or bool(self.spec_token_ids) or self.num_model_drafts > 0)
+                or bool(self.spec_token_ids) or self.num_model_drafts > 0
+                or self.params.structured_outputs is not None)
 
     @property
     def is_finished(self) -> bool:

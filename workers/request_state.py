@@ -2,11 +2,15 @@
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from workers.sampler import SamplingSpec, make_generator
 from workers.step_input import NewRequest, ScheduledRequest
+
+if TYPE_CHECKING:
+    from workers.structured.row_grammar import RowGrammar
 
 
 @dataclass
@@ -16,14 +20,23 @@ class RequestState:
     block_ids: list[int]
     spec: SamplingSpec
     generator: torch.Generator | None
+    request_id: str = ""
+    grammar: "RowGrammar | None" = None  # on the worker that samples (rank 0) only
 
     @classmethod
-    def from_new(cls, request: NewRequest, device: torch.device) -> "RequestState":
+    def from_new(cls, request: NewRequest, device: torch.device,
+                 samples: bool = True) -> "RequestState":
+        """``samples``: this worker samples (rank 0), so it keeps the row's grammar matcher."""
         seed = request.spec.seed
         generator = None if seed is None else make_generator(seed, device)
+        grammar = None
+        if request.grammar is not None and samples:
+            from workers.structured.row_grammar import RowGrammar
+
+            grammar = RowGrammar(request.grammar.compiled, request.grammar.and_row)
         return cls(
             list(request.token_ids), request.num_prompt_tokens, list(request.block_ids),
-            request.spec, generator,
+            request.spec, generator, request.request_id, grammar,
         )
 
     def apply(self, delta: ScheduledRequest) -> None:
@@ -40,9 +53,11 @@ class RequestState:
 
     @property
     def needs_single_steps(self) -> bool:
-        """Sampling reads every token before (penalties), or masks stops until min_tokens."""
+        """Sampling reads every token before (penalties), masks stops until min_tokens, or
+        masks by a grammar that must see each token before the next mask."""
         num_output = len(self.token_ids) - self.num_prompt_tokens
-        return self.spec.uses_history or num_output < self.spec.min_tokens
+        return (self.spec.uses_history or num_output < self.spec.min_tokens
+                or self.grammar is not None)
 
     def generator_for_next_token(self, offset: int = 0) -> torch.Generator | None:
         """The seeded generator, reseeded from (seed, output index); ``offset`` counts tokens

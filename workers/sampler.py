@@ -38,6 +38,8 @@ class SamplingSpec:
     logprobs: int | None = None  # top-n logprobs to return (0 = only the sampled token's)
     min_tokens: int = 0  # until a row has this many output tokens, stop_token_ids are masked
     stop_token_ids: tuple[int, ...] = ()  # the tokens that would end it (EOS unless ignored)
+    # (token id, bias) added to the logits before anything else (workers/structured/masks.py)
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     @property
     def is_greedy(self) -> bool:

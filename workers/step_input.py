@@ -6,6 +6,7 @@ and newly allocated blocks (``ScheduledRequest``).
 """
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvstore.transfers import KVTransfers, TransferReport
 from workers.sampler import SamplingSpec
@@ -18,6 +19,8 @@ class NewRequest:
     num_prompt_tokens: int
     block_ids: list[int]
     spec: SamplingSpec
+    # the compiled grammar its output must match (workers/structured/backend.py GrammarRef)
+    grammar: Any = None
 
 
 @dataclass
@@ -66,3 +69,5 @@ class StepOutput:
     logprobs: list[list[TokenLogprobs]] | None = None  # per row, per token
     # the KV copies between tiers finished since the last step (loads landed, failures)
     transfers: TransferReport | None = None
+    # (request id, why) of rows whose output broke their grammar: the engine fails them
+    grammar_failures: list[tuple[str, str]] = field(default_factory=list)

@@ -38,6 +38,7 @@ from workers.step_input import (
     StepInput,
     StepOutput,
 )
+from workers.structured.masks import LogitConstraints
 from workers.worker_config import WorkerConfig, make_attention_backend
 
 
@@ -67,6 +68,8 @@ class Worker:
         self.centers_digest: str | None = None
         self.graphs = None  # DecodeGraphs once captured (GPU, Triton; every rank or none)
         self.lookahead: Lookahead | None = None  # the next call's first step, already run
+        # logit_bias and grammar masks (workers/structured/masks.py), once a row has either
+        self.constraints: LogitConstraints | None = None
         # DraftModel, on rank 0 alone: it drafts where a step asks (num_model_drafts) and
         # broadcasts the drafts to the other ranks
         self.draft = None
@@ -252,13 +255,21 @@ class Worker:
         return touched, written
 
     def _execute(self, step: StepInput) -> StepOutput | None:
+        output = self._run_step(step)
+        if output is not None and self.constraints is not None:
+            output.grammar_failures = self.constraints.failures(
+                [self.states[item.request_id] for item in step.scheduled])
+        return output
+
+    def _run_step(self, step: StepInput) -> StepOutput | None:
         lookahead, self.lookahead = self.lookahead, None  # good for the very next call only
         for request_id in step.released_ids:
             self.states.pop(request_id, None)
         if self.draft is not None:
             self.draft.release(step.released_ids)
         for request in step.new_requests:
-            self.states[request.request_id] = RequestState.from_new(request, self.device)
+            self.states[request.request_id] = RequestState.from_new(request, self.device,
+                                                                    self.is_driver)
         for item in step.scheduled:
             self.states[item.request_id].apply(item)
         if not step.scheduled:
@@ -342,8 +353,8 @@ class Worker:
         if first is None:
             raise ValueError("num_steps > 1 needs a step where every sequence decodes")
         if any(self.states[r].needs_single_steps for r in first.request_ids):
-            raise ValueError("num_steps > 1 cannot apply penalties or min_tokens: they need "
-                             "every token")
+            raise ValueError("num_steps > 1 cannot apply penalties, min_tokens or grammars: "
+                             "they need every token")
         if run_lookahead:
             self._check_lookahead_slots(first, num_steps)
         tokens: torch.Tensor | None = None  # (B,) on the device: the last step's samples
@@ -421,7 +432,8 @@ class Worker:
             read = self._start_read(plain_ids, [self._sample(plain_ids, logits[index])])
         states = [self.states[request_ids[row]] for row in spec]
         pending = verify_rows(logits, [int(starts[row]) for row in spec],
-                              [drafts[row] for row in spec], states, self.sampler.generator)
+                              [drafts[row] for row in spec], states, self.sampler.generator,
+                              self._constraints_for(states))
         plain_out = read.result() if read is not None else None
         return merge_outputs(request_ids, plain, plain_out, spec, pending.result())
 
@@ -430,6 +442,9 @@ class Worker:
         """Samples each row's next token (``offset`` tokens past what the state holds), on the
         device: nothing is read back here."""
         states = [self.states[request_id] for request_id in request_ids]
+        constraints = self._constraints_for(states)
+        if constraints is not None:
+            logits, _ = constraints.apply(logits, states)
         return self.sampler(
             logits,
             [state.spec for state in states],
@@ -437,6 +452,14 @@ class Worker:
             TokenHistory(states, lambda state: state.output_token_ids),
             [state.generator_for_next_token(offset) for state in states],
         )
+
+    def _constraints_for(self, states: list[RequestState]) -> "LogitConstraints | None":
+        """The mask buffers, when a row has a grammar or a logit_bias (made on first use)."""
+        if not any(s.grammar is not None or s.spec.logit_bias for s in states):
+            return None
+        if self.constraints is None:
+            self.constraints = LogitConstraints(self.hf_config.vocab_size, self.device)
+        return self.constraints
 
     def _start_read(self, request_ids: list[str], outputs: list[SamplerOutput]) -> PendingRead:
         """Queues the one device-to-host copy of a call (every step's tokens, and logprobs if

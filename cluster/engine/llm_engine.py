@@ -20,6 +20,7 @@ from cluster.engine.engine_setup import (
     make_executor,
 )
 from cluster.engine.executor import Executor
+from cluster.engine.grammars import GrammarCompiles
 from cluster.engine.kv_events import KVEventPublisher
 from cluster.engine.kv_tiers import (
     TierTraffic,
@@ -134,6 +135,8 @@ class LLMEngine:
         self.cache_config = cache_config_info(
             config.block_size, config.kv_cache_dtype, config.enable_prefix_caching,
             config.gpu_memory_utilization, num_blocks, tiers.host.num_slots if tiers else None)
+        self.grammars = GrammarCompiles(self.tokenizer, self.model_path, self.vocab_size,
+                                        self.eos_token_ids)
         self.speculator = None if speculation is None else Speculator(
             speculation, self.metrics, self._draft_actor(speculation, num_blocks, replica_index))
         freeze_start_up_objects()  # full collections would walk all of the above each time
@@ -181,6 +184,7 @@ class LLMEngine:
             raise ValueError(f"request id '{request_id}' is already in use")
         prompt_ids = self.tokenize(prompt)
         self.check_prompt(prompt_ids)
+        self.check_constraints(params)
         if resume is not None:
             resume.check(params)
             for done in resume.completions:  # the emitted tokens must fit as a prompt does
@@ -196,6 +200,7 @@ class LLMEngine:
             raise RequestFailed(failure_message(request_id, "setting up its detokenizer",
                                                 error)) from None
         self.requests[request_id] = tracker
+        sequences = []
         for index, seq_id in enumerate(seq_ids):
             done = resume.completions[index] if resume is not None else None
             if done is not None and done.finish_reason is not None:
@@ -208,8 +213,29 @@ class LLMEngine:
             self.seq_to_request[seq_id] = request_id
             seq = Sequence(seq_id, prompt_ids, seq_params, self.eos_token_ids,
                            arrival_time=tracker.metrics.arrival_time)
-            self.scheduler.add(seq if done is None else resumed_sequence(seq, done))
+            sequences.append(seq if done is None else resumed_sequence(seq, done))
+        if params.structured_outputs is not None:  # they join once their grammar is compiled
+            self.grammars.add(request_id, params.structured_outputs, sequences)
+        else:
+            for seq in sequences:
+                self.scheduler.add(seq)
         return request_id
+
+    def check_constraints(self, params: SamplingParams) -> None:
+        """logit_bias's token ids in the vocabulary; a structured output's grammar one the
+        backend can build (a bad regex, a $ref to nothing: ValueError naming the field)."""
+        bad = [t for t in params.logit_bias or {} if t >= self.vocab_size]
+        if bad:
+            raise ValueError(f"logit_bias token id {bad[0]} is out of range for a vocabulary "
+                             f"of {self.vocab_size}")
+        if params.structured_outputs is None:
+            return
+        if self.tokenizer is None:
+            raise ValueError("structured outputs need the model's tokenizer, and this model "
+                             "has none")
+        from workers.structured.backend import check_convertible
+
+        check_convertible(params.structured_outputs)
 
     def check_prompt(self, prompt_ids: list[int]) -> None:
         if not prompt_ids:
@@ -229,6 +255,7 @@ class LLMEngine:
         tracker = self.requests.pop(request_id, None)
         if tracker is None:
             return
+        self.grammars.drop(request_id)
         for seq_id, completion in tracker.completions.items():
             seq = self.scheduler.finish(seq_id, FinishReason.ABORT)
             if seq is not None:
@@ -239,7 +266,7 @@ class LLMEngine:
         self.metrics.on_finish("abort", time.monotonic() - tracker.metrics.arrival_time)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self.grammars.waiting)
 
     def has_pending_transfers(self) -> bool:
         """Copies between tiers wait for a step (write-through of the last step's blocks):
@@ -271,6 +298,12 @@ class LLMEngine:
     def _advance(self) -> list[RequestTracker]:
         if self.kv_events is None:
             self.scheduler.kv.take_events()  # nobody reads them: don't let them pile up
+        failed = self._admit_compiled()
+        if failed:
+            return failed
+        if self.grammars.waiting and not self.scheduler.has_unfinished():
+            self.grammars.wait(0.01)  # nothing else to run: wait a little for a grammar
+            return self._admit_compiled()
         scheduled = self.scheduler.schedule()
         transfers = self.scheduler.kv.take_transfers()
         if scheduled.is_empty and not scheduled.released_ids and transfers is None and (
@@ -322,11 +355,44 @@ class LLMEngine:
                     record_finish(self.metrics, tracker, finished[seq_id], now)
             except Exception as error:
                 self._fail(tracker, "turning its tokens into text", error)
+        broken = self._fail_broken_grammars(result.grammar_failures)
         if self.speculator is not None:
             self.speculator.observe(scheduled, sampled, seconds)
             self.speculator.forget(finished)
             self.speculator.propose(self.scheduler.running)
-        return list(touched.values())
+        return list(touched.values()) + [t for t in broken if t.request_id not in touched]
+
+    def _admit_compiled(self) -> list[RequestTracker]:
+        """Sequences whose grammar is compiled join the scheduler; a request whose grammar
+        failed ends with the error (returned, for its output)."""
+        failed = []
+        for waiting, grammar, error in self.grammars.ready():
+            tracker = self.requests.get(waiting.request_id)
+            if tracker is None:
+                continue  # aborted while it compiled
+            if error is not None:
+                self._fail(tracker, "compiling its grammar", error)  # type: ignore[arg-type]
+                failed.append(tracker)
+                continue
+            for seq in waiting.sequences:
+                seq.grammar = grammar
+                self.scheduler.add(seq)
+        return failed
+
+    def _fail_broken_grammars(self, failures: list[tuple[str, str]]) -> list[RequestTracker]:
+        """Requests whose output broke their grammar (a fault of the masks' path, never the
+        client's) end with an error; the rest of the step goes on."""
+        broken = []
+        for seq_id, why in failures:
+            request_id = self.seq_to_request.get(seq_id)
+            if request_id is None:
+                continue
+            tracker = self.requests[request_id]
+            from workers.structured.row_grammar import GrammarViolation
+
+            self._fail(tracker, "following its grammar", GrammarViolation(why))
+            broken.append(tracker)
+        return broken
 
     def _fail(self, tracker: RequestTracker, stage: str, error: Exception) -> None:
         """Ends one request that raised: its sequences are aborted (blocks freed), its next
@@ -411,6 +477,7 @@ class LLMEngine:
                           tuple(self.metrics.time_to_first_token.counts))
 
     def shutdown(self) -> None:
+        self.grammars.shutdown()
         self.executor.shutdown()
         unfreeze()  # what the engine leaves in reference cycles can be collected again
 

@@ -16,6 +16,7 @@ def sampling_spec(params: SamplingParams, stop_ids: frozenset[int]) -> SamplingS
         presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
         seed=params.seed, logprobs=params.logprobs, min_tokens=params.min_tokens,
         stop_token_ids=tuple(sorted(stop_ids)) if params.min_tokens else (),
+        logit_bias=tuple(sorted((params.logit_bias or {}).items())),
     )
 
 
@@ -34,7 +35,7 @@ class StepBuilder:
             if item.is_new:
                 new_requests.append(NewRequest(
                     request_id, list(token_ids), seq.num_prompt_tokens,
-                    item.new_block_ids, sampling_spec(seq.params, seq.stop_ids),
+                    item.new_block_ids, sampling_spec(seq.params, seq.stop_ids), seq.grammar,
                 ))
                 new_tokens, new_blocks = [], []
             else:

@@ -3,6 +3,7 @@ the kept tokens out, with one read of them to the host."""
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -13,6 +14,9 @@ from workers.request_state import RequestState
 from workers.sampler import greedy, target_probs
 from workers.speculative.rejection import verify, verify_greedy
 from workers.step_input import StepOutput
+
+if TYPE_CHECKING:
+    from workers.structured.masks import LogitConstraints
 
 
 @dataclass
@@ -31,11 +35,15 @@ class PendingTokens:
 
 
 def verify_rows(logits: torch.Tensor, starts: Sequence[int], drafts: Sequence[list[int]],
-                states: Sequence[RequestState],
-                shared: torch.Generator | None) -> PendingTokens:
+                states: Sequence[RequestState], shared: torch.Generator | None,
+                constraints: "LogitConstraints | None" = None) -> PendingTokens:
     """``logits`` (S, V): row r's 1 + k_r positions start at ``starts[r]`` (the token before
     its first draft, then each draft). Rows are padded to the longest k (the padding is never
-    accepted: ``verify`` reads each row's own count)."""
+    accepted: ``verify`` reads each row's own count).
+
+    ``constraints``: each position's logit_bias and grammar mask (the grammar's state after
+    the drafts before it), so verification is exact for the constrained distribution; a
+    draft the grammar refuses ends its row's drafts there."""
     device = logits.device
     k = max(len(d) for d in drafts)
     batch, vocab = len(drafts), logits.shape[-1]
@@ -48,6 +56,10 @@ def verify_rows(logits: torch.Tensor, starts: Sequence[int], drafts: Sequence[li
         [np.array(index), np.array(padded), np.array([len(d) for d in drafts])], np.int64,
         device)
     rows = logits[index_t]  # (B * (k+1), V)
+    if constraints is not None:
+        rows, valid = constraints.apply(rows, states, drafts, width=k + 1)
+        if valid != [len(d) for d in drafts]:
+            num_drafts = torch.tensor(valid, dtype=torch.int64).to(device, non_blocking=True)
     draft_ids = draft_ids.view(batch, k)
     if all(state.spec.is_greedy for state in states):
         tokens, counts = verify_greedy(greedy(rows).view(batch, k + 1), draft_ids, num_drafts)

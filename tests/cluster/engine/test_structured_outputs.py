@@ -1,0 +1,111 @@
+"""Structured outputs on the default model, end to end through ``LLM``: outputs that parse and
+validate, plain rows untouched beside constrained ones, the same greedy output through
+preemption and speculation, and bad constraints refused before anything is queued."""
+
+import json
+import re
+
+import jsonschema
+import pytest
+
+from cluster import LLM, SamplingParams
+from workers.catalog import DEFAULT_MODEL
+
+pytestmark = pytest.mark.slow
+
+PERSON = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 20},
+    "age": {"type": "integer", "minimum": 0, "maximum": 150},
+    "languages": {"type": "array", "items": {"enum": ["en", "fr", "de"]}, "maxItems": 3}},
+    "required": ["name", "age", "languages"]}
+PROMPT = "Describe a person as JSON with name, age and languages:"
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(DEFAULT_MODEL, device="cpu", dtype="float32", block_size=16, num_kv_blocks=256)
+
+
+def structured(**kind) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=64, structured_outputs=kind)
+
+
+def test_json_schema_output_validates_and_ends_with_stop(llm):
+    out = llm.generate([PROMPT], structured(json=PERSON))[0].outputs[0]
+    assert out.finish_reason == "stop"
+    jsonschema.validate(json.loads(out.text), PERSON)
+    assert list(json.loads(out.text)) == ["name", "age", "languages"]  # the schema's order
+
+
+def test_plain_rows_beside_constrained_ones_keep_their_tokens(llm):
+    plain = SamplingParams(temperature=0.0, max_tokens=24)
+    alone = llm.generate(["The capital of France is"], plain)[0].outputs[0].token_ids
+    outs = llm.generate([PROMPT, "The capital of France is", "Pick a color:"],
+                        [structured(json=PERSON), plain, structured(choice=["red", "blue"])])
+    assert outs[1].outputs[0].token_ids == alone
+    assert outs[2].outputs[0].text in ("red", "blue")
+
+
+def test_regex_choice_and_sampled_rows_match(llm):
+    outs = llm.generate(["Phone number:"] * 4, [
+        structured(regex=r"\d{3}-\d{4}"),
+        *[SamplingParams(temperature=1.0, seed=s, max_tokens=8, structured_outputs={
+            "choice": ["yes", "no", "maybe"]}) for s in (1, 2, 3)]])
+    assert re.fullmatch(r"\d{3}-\d{4}", outs[0].outputs[0].text)
+    assert all(o.outputs[0].text in ("yes", "no", "maybe") for o in outs[1:])
+
+
+def test_the_same_greedy_object_through_preemption():
+    small = LLM(DEFAULT_MODEL, device="cpu", dtype="float32", block_size=16, num_kv_blocks=7,
+                enable_prefix_caching=False)
+    params = structured(json=PERSON)
+    alone = small.generate([PROMPT], params)[0].outputs[0].token_ids
+    outs = small.generate([PROMPT] * 4, params)  # 4 x 3 blocks in 7: someone is recomputed
+    assert small.engine.scheduler.num_preemptions > 0
+    assert all(o.outputs[0].token_ids == alone for o in outs)
+
+
+def test_speculation_keeps_the_greedy_structured_output(llm):
+    spec = LLM(DEFAULT_MODEL, device="cpu", dtype="float32", block_size=16, num_kv_blocks=256,
+               speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+    prompts = [PROMPT, 'Repeat: {"name": "Ann", "age": 3, "languages": ["en"]}']
+    expected = [o.outputs[0].token_ids for o in llm.generate(prompts, structured(json=PERSON))]
+    outs = spec.generate(prompts, structured(json=PERSON))
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert spec.engine.stats().spec_decode_num_draft_tokens > 0
+
+
+def test_logit_bias_forces_and_bans_tokens(llm):
+    ids = llm.engine.tokenize(" Paris")
+    banned = llm.generate(["The capital of France is"], SamplingParams(
+        temperature=0.0, max_tokens=4, logit_bias={ids[0]: -100}))[0].outputs[0]
+    assert ids[0] not in banned.token_ids
+    forced = llm.generate(["Hello"], SamplingParams(
+        temperature=0.0, max_tokens=3, logit_bias={ids[0]: 100}))[0].outputs[0]
+    assert forced.token_ids == [ids[0]] * 3
+
+
+@pytest.mark.parametrize(("kind", "message"), [
+    ({"regex": "a(?=b)"}, "structured_outputs.regex does not compile: Regex parsing error at "
+                          "position 4: Lookahead is not supported yet."),
+    ({"json": {"$ref": "#/nope"}}, "structured_outputs.json does not compile: Cannot find "
+                                   "field 'nope' in #/nope"),
+    ({"grammar": 'root ::= "a" | b'}, "structured_outputs.grammar does not compile: EBNF "
+                                      "parser error at line 1, column 16: Rule \"b\" is not "
+                                      "defined"),
+])
+def test_a_constraint_that_does_not_compile_is_refused_and_nothing_is_queued(llm, kind,
+                                                                             message):
+    with pytest.raises(ValueError) as error:
+        llm.engine.add_request(PROMPT, structured(**kind))
+    assert str(error.value) == message
+    assert not llm.engine.has_unfinished() and not llm.engine.requests
+
+
+def test_out_of_vocabulary_bias_and_eos_rules_are_refused(llm):
+    with pytest.raises(ValueError, match="logit_bias token id 49152 is out of range"):
+        llm.engine.add_request(PROMPT, SamplingParams(logit_bias={49152: 1.0}))
+    with pytest.raises(ValueError, match="ignore_eos cannot be used with structured outputs"):
+        SamplingParams(ignore_eos=True, structured_outputs={"json_object": True})
+    with pytest.raises(ValueError, match="exactly one of"):
+        SamplingParams(structured_outputs={"regex": "a", "choice": ["a"]})

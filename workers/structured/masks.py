@@ -1,0 +1,110 @@
+"""The constraints applied to a batch's logits before the sampler sees them: each row's
+``logit_bias`` added, then each constrained row's grammar mask (tokens it disallows to
+-inf). Greedy, temperature, top-k/p, min-p, penalties and the logprobs all see the result, so
+logprobs are the constrained distribution's (as vLLM's).
+
+The masks are filled on the host after the step's forward is queued, so on a GPU they are
+filled while the device runs it; one copy from a persistent pinned buffer takes them over.
+"""
+
+from collections.abc import Sequence
+
+import torch
+
+from workers.request_state import RequestState
+
+BITS = 32
+
+
+def bitmask_words(vocab: int) -> int:
+    return -(-vocab // BITS)
+
+
+class LogitConstraints:
+    """The worker's persistent mask buffers, grown when a step needs more rows."""
+
+    def __init__(self, vocab: int, device: torch.device) -> None:
+        self.vocab, self.device = vocab, device
+        self.host = torch.empty(0, bitmask_words(vocab), dtype=torch.int32)
+        self.shifts = torch.arange(BITS, dtype=torch.int32, device=device)
+
+    def rows(self, count: int) -> torch.Tensor:
+        """The first ``count`` rows of the host buffer (all tokens allowed)."""
+        if self.host.shape[0] < count:
+            size = max(count, 2 * self.host.shape[0], 64)
+            pin = self.device.type == "cuda"
+            self.host = torch.empty(size, bitmask_words(self.vocab), dtype=torch.int32,
+                                    pin_memory=pin)
+        rows = self.host[:count]
+        rows.fill_(-1)
+        return rows
+
+    def apply(self, logits: torch.Tensor, row_states: Sequence[RequestState | None],
+              drafts: Sequence[Sequence[int]] | None = None,
+              width: int | None = None) -> tuple[torch.Tensor, list[int]]:
+        """``logits`` (rows, V) with the constraints of each row's state (None: a padding row)
+        applied; with ``drafts`` (verify steps), each state owns 1 + len(drafts) consecutive
+        rows (``width`` rows when given: the rows past its drafts are padding). Returns the
+        logits (a new tensor when anything applies) and, with drafts, how many of each row's
+        drafts its grammar takes (all, for rows without one)."""
+        valid = [len(d) for d in drafts] if drafts is not None else []
+        spans = self._spans(row_states, drafts, width)
+        biased = [(start, s) for start, s, _ in spans if s is not None and s.spec.logit_bias]
+        constrained = any(s is not None and s.grammar is not None for _, s, _ in spans)
+        if not biased and not constrained:
+            return logits, valid
+        logits = logits.clone()
+        if biased:
+            add_logit_bias(logits, biased, spans)
+        if constrained:
+            bitmask = self.rows(logits.shape[0])
+            for index, (start, state, row_drafts) in enumerate(spans):
+                grammar = state.grammar if state is not None else None
+                if grammar is None or state is None:
+                    continue
+                grammar.catch_up(state.output_token_ids)
+                if row_drafts is None:
+                    grammar.fill(bitmask, start)
+                else:
+                    valid[index] = grammar.fill_drafts(bitmask, start, row_drafts)
+            self._mask(logits, bitmask)
+        return logits, valid
+
+    def _spans(self, row_states: Sequence[RequestState | None],
+               drafts: Sequence[Sequence[int]] | None, width: int | None,
+               ) -> list[tuple[int, RequestState | None, Sequence[int] | None]]:
+        if drafts is None:
+            return [(row, state, None) for row, state in enumerate(row_states)]
+        spans, start = [], 0
+        for state, row_drafts in zip(row_states, drafts, strict=True):
+            spans.append((start, state, row_drafts))
+            start += width if width is not None else 1 + len(row_drafts)
+        return spans
+
+    def failures(self, states: Sequence[RequestState]) -> list[tuple[str, str]]:
+        """(request id, why) of the constrained rows whose output broke their grammar."""
+        return [(s.request_id, s.grammar.failed) for s in states
+                if s.grammar is not None and s.grammar.failed is not None]
+
+    def _mask(self, logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+        words = bitmask.to(self.device, non_blocking=True)  # (R, W) int32
+        allowed = ((words.unsqueeze(-1) >> self.shifts) & 1).view(words.shape[0], -1)
+        vocab = logits.shape[-1]
+        logits.masked_fill_(allowed[:, :vocab] == 0, float("-inf"))
+
+
+def add_logit_bias(logits: torch.Tensor, biased: Sequence[tuple[int, RequestState]],
+                   spans: Sequence[tuple[int, RequestState | None, Sequence[int] | None]],
+                   ) -> None:
+    """Each biased state's bias on every one of its rows (its verify rows too)."""
+    widths = {start: 1 + len(d) if d is not None else 1 for start, _, d in spans}  # real rows
+    rows, columns, values = [], [], []
+    for start, state in biased:
+        for row in range(start, start + widths[start]):
+            for token_id, bias in state.spec.logit_bias:
+                rows.append(row)
+                columns.append(token_id)
+                values.append(bias)
+    device = logits.device
+    logits.index_put_((torch.tensor(rows, device=device), torch.tensor(columns, device=device)),
+                      torch.tensor(values, dtype=logits.dtype, device=device), accumulate=True)

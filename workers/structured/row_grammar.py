@@ -1,0 +1,76 @@
+"""One constrained row's matcher in the sampling worker.
+
+The matcher's state is a function of the compiled grammar and the row's output tokens, so it
+is never shipped anywhere: a row that is new to this worker (admitted, recomputed after a
+preemption, reloaded from a tier, resumed on another replica after a failover) replays the
+output tokens it already has (~1.5 us a token) before its first mask.
+"""
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+
+class GrammarViolation(Exception):
+    """A row's output holds a token its grammar does not allow: a fault of the mask's path.
+    The row's request fails alone (the worker reports it; the engine ends that request)."""
+
+
+class RowGrammar:
+    def __init__(self, compiled: Any, and_row: torch.Tensor | None = None) -> None:
+        """``and_row``: a bitmask row every mask is ANDed with (JSON's control characters)."""
+        import xgrammar as xgr
+
+        self.matcher = xgr.GrammarMatcher(compiled)
+        self.and_row = and_row
+        self.num_accepted = 0  # output tokens the matcher has taken
+        self.failed: str | None = None
+
+    def catch_up(self, output_ids: Sequence[int]) -> None:
+        """Accepts the output tokens the matcher has not seen. A token it refuses marks the
+        row failed (its mask then allows only the stop tokens, so the row ends)."""
+        if self.failed is not None:
+            return
+        for token_id in output_ids[self.num_accepted:]:
+            if self.matcher.is_terminated():
+                break  # the stop token ended the grammar: nothing after it is masked
+            if not self.matcher.accept_token(token_id):
+                self.failed = (f"token {token_id} at output position {self.num_accepted} is "
+                               "not allowed by the request's grammar")
+                return
+            self.num_accepted += 1
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        """Row ``row`` of ``bitmask`` (int32, one bit a token) to the tokens allowed next."""
+        if self.failed is not None or self.matcher.is_terminated():
+            self._stops_only(bitmask, row)
+            return
+        self.matcher.fill_next_token_bitmask(bitmask, row)
+        if self.and_row is not None:
+            bitmask[row] &= self.and_row
+
+    def fill_drafts(self, bitmask: torch.Tensor, first_row: int, drafts: Sequence[int]) -> int:
+        """Fills rows first_row .. first_row + len(drafts): row j allows what may follow the
+        first j drafts. Returns how many drafts the grammar takes; the rows after the first
+        refused draft are never sampled from (verification stops there) and allow all. The
+        matcher ends where it began."""
+        valid = 0
+        for j, token_id in enumerate(drafts):
+            self.fill(bitmask, first_row + j)
+            if self.failed is not None or self.matcher.is_terminated() or \
+                    not self.matcher.accept_token(token_id):
+                break
+            valid += 1
+        else:
+            self.fill(bitmask, first_row + len(drafts))
+        for j in range(valid + 1, len(drafts) + 1):
+            bitmask[first_row + j] = -1
+        if valid:
+            self.matcher.rollback(valid)
+        return valid
+
+    def _stops_only(self, bitmask: torch.Tensor, row: int) -> None:
+        bitmask[row] = 0
+        for token_id in self.matcher.stop_token_ids:
+            bitmask[row, token_id // 32] |= 1 << (token_id % 32)
