@@ -13,13 +13,11 @@ from typing import Any
 
 KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 
-# keywords xgrammar compiles but does not enforce (an instance breaking them is accepted:
-# tests/workers/structured/test_refused_keywords.py shows each), or enforces only in part
+# keywords xgrammar 0.2.9 compiles but does not enforce (an instance breaking them is
+# accepted: tests/workers/structured/test_refused_keywords.py shows each)
 UNENFORCED_KEYWORDS = frozenset({
-    "uniqueItems", "not", "contains", "minContains", "maxContains", "if", "then", "else",
-    "dependentSchemas", "dependentRequired", "dependencies", "propertyNames",
-    "patternProperties", "unevaluatedProperties", "unevaluatedItems", "minProperties",
-    "maxProperties",
+    "uniqueItems", "not", "contains", "maxContains", "if", "then", "else", "dependentSchemas",
+    "dependentRequired", "dependencies", "unevaluatedProperties",
 })
 # string formats xgrammar enforces; any other is refused (it would be a plain string)
 ENFORCED_FORMATS = frozenset({
