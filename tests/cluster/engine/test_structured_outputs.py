@@ -3,7 +3,9 @@ validate, plain rows untouched beside constrained ones, the same greedy output t
 preemption and speculation, and bad constraints refused before anything is queued."""
 
 import json
+import math
 import re
+from collections import Counter
 
 import jsonschema
 import pytest
@@ -109,3 +111,31 @@ def test_out_of_vocabulary_bias_and_eos_rules_are_refused(llm):
         SamplingParams(ignore_eos=True, structured_outputs={"json_object": True})
     with pytest.raises(ValueError, match="exactly one of"):
         SamplingParams(structured_outputs={"regex": "a", "choice": ["a"]})
+
+
+# chi-square's 0.1% critical values by degrees of freedom: a sound sampler fails 1 in 1,000
+CRITICAL = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52, 6: 22.46, 7: 24.32}
+
+
+def test_a_sampled_choice_is_distributed_as_the_masked_target(llm):
+    """The first token of a 3-way choice, 400 seeds: its counts against the masked
+    distribution (the logprobs the engine reports, which are the constrained ones)."""
+    prompt, choices = "Is it raining? Answer yes, no or maybe:", ["yes", "no", "maybe"]
+    probe = llm.generate([prompt], SamplingParams(temperature=1.0, max_tokens=1, logprobs=20,
+                                                  structured_outputs={"choice": choices}))
+    target = {t: math.exp(lp) for t, lp in probe[0].outputs[0].logprobs[0][1:]
+              if lp > -math.inf}
+    assert abs(sum(target.values()) - 1) < 1e-3  # every allowed token is in the top 20
+    n = 400
+    outs = llm.generate([prompt] * n, [SamplingParams(
+        temperature=1.0, max_tokens=1, seed=seed, structured_outputs={"choice": choices})
+        for seed in range(n)])
+    counts = Counter(o.outputs[0].token_ids[0] for o in outs)
+    assert set(counts) <= set(target)
+    big = [t for t, p in target.items() if n * p >= 5]
+    cells = [(counts[t], n * target[t]) for t in big]
+    rest = n - sum(c for c, _ in cells)
+    cells.append((rest, n * (1 - sum(target[t] for t in big))))
+    cells = [(c, e) for c, e in cells if e > 0]
+    chi2 = sum((c - e) ** 2 / e for c, e in cells)
+    assert chi2 < CRITICAL[len(cells) - 1], (chi2, cells)
