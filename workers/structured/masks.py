@@ -58,6 +58,7 @@ class LogitConstraints:
             add_logit_bias(logits, biased, spans)
         if constrained:
             bitmask = self.rows(logits.shape[0])
+            masked: list[int] = []  # the rows a grammar masks; the others are left alone
             for index, (start, state, row_drafts) in enumerate(spans):
                 grammar = state.grammar if state is not None else None
                 if grammar is None or state is None:
@@ -65,9 +66,11 @@ class LogitConstraints:
                 grammar.catch_up(state.output_token_ids)
                 if row_drafts is None:
                     grammar.fill(bitmask, start)
+                    masked.append(start)
                 else:
                     valid[index] = grammar.fill_drafts(bitmask, start, row_drafts)
-            self._mask(logits, bitmask)
+                    masked += range(start, start + valid[index] + 1)
+            self._mask(logits, bitmask, masked)
         return logits, valid
 
     def _spans(self, row_states: Sequence[RequestState | None],
@@ -86,11 +89,21 @@ class LogitConstraints:
         return [(s.request_id, s.grammar.failed) for s in states
                 if s.grammar is not None and s.grammar.failed is not None]
 
-    def _mask(self, logits: torch.Tensor, bitmask: torch.Tensor) -> None:
-        words = bitmask.to(self.device, non_blocking=True)  # (R, W) int32
+    def _mask(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+        """Disallowed tokens of ``rows`` to -inf: one copy of their words to the device, the
+        bits unpacked there."""
+        if len(rows) == logits.shape[0]:
+            words = bitmask.to(self.device, non_blocking=True)  # (R, W) int32
+            index = None
+        else:
+            words = bitmask[rows].to(self.device)  # a gathered copy: small, rows only
+            index = torch.tensor(rows, device=self.device)
         allowed = ((words.unsqueeze(-1) >> self.shifts) & 1).view(words.shape[0], -1)
-        vocab = logits.shape[-1]
-        logits.masked_fill_(allowed[:, :vocab] == 0, float("-inf"))
+        refused = allowed[:, : logits.shape[-1]] == 0
+        if index is None:
+            logits.masked_fill_(refused, float("-inf"))
+        else:
+            logits[index] = logits[index].masked_fill(refused, float("-inf"))
 
 
 def add_logit_bias(logits: torch.Tensor, biased: Sequence[tuple[int, RequestState]],
