@@ -5,7 +5,7 @@ Everything a request could get wrong is found before anything is queued, and rai
 is closed early.
 """
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sized
 from dataclasses import dataclass, field, replace
 
 from transformers import PreTrainedTokenizerBase
@@ -13,7 +13,7 @@ from transformers import PreTrainedTokenizerBase
 from cluster.engine.outputs import RequestOutput, part_ids
 from cluster.engine.tokenizer import apply_chat_template
 from cluster.serve.deadlines import bounded
-from cluster.serve.failures import as_api_error
+from cluster.serve.failures import as_api_error, client_message
 from cluster.serve.openai_errors import bad_request, model_not_found
 from cluster.serve.openai_format import chat_choices, completion_choices, usage
 from cluster.serve.openai_stream import StreamContext, chat_events, completion_events
@@ -30,11 +30,22 @@ from cluster.serve.protocol import (
     now,
 )
 from cluster.serve.request_streams import Cluster, final_outputs, merge_streams, prefetch
+from cluster.serve.structured_fields import engine_error_param, output_constraint, token_biases
 from cluster.serve.text_fields import check_utf8
 from router.sampling_params import SamplingParams
+from router.structured_outputs import StructuredOutputs
 
 Events = AsyncIterator[str]
 Stream = AsyncIterator[tuple[int, RequestOutput]]
+
+
+@dataclass(frozen=True)
+class Constraints:
+    """What a request asks of its output's tokens, mapped once for all its prompts."""
+
+    structured: StructuredOutputs | None = None
+    source: str | None = None  # the field the constraint came from, which a 400 names
+    logit_bias: dict[int, float] | None = None
 
 
 @dataclass
@@ -64,10 +75,11 @@ class OpenAIService:
         prompts = self._completion_prompts(request.prompt)
         if request.echo:
             self._check_echo(request.prompt)
+        constraints = self._constraints(request)  # once: a schema compiles once, not per prompt
         params = [self._params(request, request.max_tokens, "max_tokens", request.logprobs, ids,
-                               "prompt") for ids in prompts]
+                               "prompt", constraints) for ids in prompts]
         request_id = new_id("cmpl")
-        stream = await self._start(request_id, prompts, params, deadline)
+        stream = await self._start(request_id, prompts, params, deadline, constraints.source)
         echoes = None
         if request.echo:  # decoded once the engine has found the ids in its vocabulary: the
             try:  # tokenizer overflows on others (a negative one), a 500
@@ -99,10 +111,11 @@ class OpenAIService:
             raise bad_request(str(error), "messages", code="invalid_messages") from error
         limit_name = "max_tokens" if request.max_completion_tokens is None \
             else "max_completion_tokens"
+        constraints = self._constraints(request)
         params = self._params(request, request.max_new_tokens, limit_name, request.num_logprobs,
-                              ids, "messages")
+                              ids, "messages", constraints)
         request_id = new_id("chatcmpl")
-        stream = await self._start(request_id, [ids], [params], deadline)
+        stream = await self._start(request_id, [ids], [params], deadline, constraints.source)
         if request.stream:
             return chat_events(stream, self._context(request_id, request, [ids]))
         outputs = await self._finish(stream, 1)
@@ -123,10 +136,13 @@ class OpenAIService:
             raise bad_request(f"best_of is not supported (got {request.best_of} with n = "
                               f"{request.n}): leave it out or make it equal to n", "best_of",
                               code="unsupported_value")
-        kind = (request.response_format or {}).get("type", "text")
-        if request.response_format is not None and kind != "text":
-            raise bad_request(f"response_format {kind!r} is not supported (only 'text')",
-                              "response_format", code="unsupported_value")
+
+    def _constraints(self, request: SamplingFields) -> Constraints:
+        """The request's structured output and logit bias, each 400 naming the field the
+        client used; token ids checked against the tokenizer's vocabulary when there is one."""
+        structured, source = output_constraint(request)
+        vocab = len(self.tokenizer) if isinstance(self.tokenizer, Sized) else None
+        return Constraints(structured, source, token_biases(request.logit_bias, vocab))
 
     def _check_echo(self, prompt: Prompt) -> None:
         if self.tokenizer is None and not all(isinstance(p, str) for p in prompt_items(prompt)):
@@ -158,7 +174,8 @@ class OpenAIService:
         return list(self.tokenizer.encode(prompt))
 
     def _params(self, request: SamplingFields, max_tokens: int | None, limit_name: str,
-                logprobs: int | None, prompt_ids: list[int], param: str) -> SamplingParams:
+                logprobs: int | None, prompt_ids: list[int], param: str,
+                constraints: Constraints) -> SamplingParams:
         """``limit_name``: the field ``max_tokens`` came from, which a 400 names."""
         context = self.cluster.max_model_len
         room = context - len(prompt_ids)
@@ -169,7 +186,8 @@ class OpenAIService:
                 code="context_length_exceeded")
         try:
             params = request.sampling_params(room if max_tokens is None else max_tokens,
-                                             logprobs)
+                                             logprobs, constraints.structured,
+                                             constraints.logit_bias)
         except ValueError as error:
             name = str(error).split(" ", 1)[0]
             raise bad_request(str(error), name if name.isidentifier() else None,
@@ -185,16 +203,19 @@ class OpenAIService:
     # -- running ------------------------------------------------------------------------------
 
     async def _start(self, request_id: str, prompts: list[list[int]],
-                     params: list[SamplingParams], deadline: float | None) -> Stream:
+                     params: list[SamplingParams], deadline: float | None,
+                     constraint_param: str | None = None) -> Stream:
         """Starts one cluster request per prompt and waits for the first output, so an error
-        the engine finds in a prompt becomes a 400 before any response is sent."""
+        the engine finds in a prompt becomes a 400 before any response is sent (naming
+        logit_bias or ``constraint_param``, the constraint's field, when it is about them)."""
         ids = part_ids(request_id, len(prompts))
         streams = [self.cluster.generate(p, sp, rid)
                    for p, sp, rid in zip(prompts, params, ids, strict=True)]
         try:
             return await prefetch(bounded(merge_streams(streams), deadline))
         except Exception as error:  # the engine's prompt checks: a 400; else the server's
-            raise as_api_error(error, "prompt") from error
+            param = engine_error_param(client_message(error), constraint_param)
+            raise as_api_error(error, param) from error
 
     async def _finish(self, stream: Stream, count: int) -> list[RequestOutput]:
         try:

@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from cluster.serve.unsupported_fields import MESSAGE_FIELDS, REQUEST_FIELDS, without_empty
 from router.sampling_params import SamplingParams
+from router.structured_outputs import StructuredOutputs
 
 Prompt = str | list[int] | list[str] | list[list[int]]
 
@@ -35,6 +36,20 @@ class StreamOptions(RequestPart):
     include_usage: bool = Field(False, description="Send a final chunk carrying `usage`.")
     continuous_usage_stats: bool = Field(False, description="Every chunk carries `usage` so "
                                          "far (vLLM's option; guidellm sends it).")
+
+
+class StructuredOutputsField(RequestPart):
+    """vLLM's ``structured_outputs``: one constraint (structured_fields.py maps it)."""
+
+    # "json" would shadow BaseModel.json: the field's name is its alias
+    json_: dict[str, Any] | str | None = Field(None, alias="json",
+                                               description="A JSON schema to match.")
+    regex: str | None = Field(None, description="A regular expression to match.")
+    choice: list[str] | None = Field(None, description="The output is one of these.")
+    grammar: str | None = Field(None, description="An EBNF grammar (xgrammar's dialect).")
+    json_object: bool | None = Field(None, description="Any JSON object.")
+    disable_any_whitespace: bool = Field(False, description="Accepted: tandem never puts "
+                                         "free whitespace between JSON tokens.")
 
 
 class SamplingFields(RequestPart):
@@ -62,8 +77,23 @@ class SamplingFields(RequestPart):
     stream_options: StreamOptions | None = Field(None, description="Streaming options.")
     user: str | None = Field(None, description="An end-user id (recorded, not used).")
     best_of: int | None = Field(None, description="Not supported beyond n: null or equal to n.")
-    response_format: dict[str, Any] | None = Field(None, description="Only {\"type\": \"text\"} "
-                                                   "is supported.")
+    response_format: dict[str, Any] | None = Field(None, description="{\"type\": \"text\"}, "
+                                                   "{\"type\": \"json_object\"} or {\"type\": "
+                                                   "\"json_schema\", \"json_schema\": {\"name\": "
+                                                   "..., \"schema\": {...}}}.")
+    structured_outputs: StructuredOutputsField | None = Field(
+        None, description="vLLM's constraint: one of json, regex, choice, grammar, "
+        "json_object.")
+    guided_json: dict[str, Any] | str | None = Field(None, description="vLLM's older "
+                                                     "structured_outputs.json.")
+    guided_regex: str | None = Field(None, description="vLLM's older structured_outputs.regex.")
+    guided_choice: list[str] | None = Field(None, description="vLLM's older "
+                                            "structured_outputs.choice.")
+    guided_grammar: str | None = Field(None, description="vLLM's older "
+                                       "structured_outputs.grammar.")
+    guided_decoding_backend: str | None = Field(None, description="Only 'xgrammar' or 'auto'.")
+    logit_bias: dict[str, float] | None = Field(None, description="Token id (as a string) -> "
+                                                "a bias in [-100, 100] added to its logit.")
     cache_salt: str | None = Field(None, min_length=1, description="Requests share cached "
                                    "prefixes only with requests of the same salt (one tenant's "
                                    "prefixes are not another's).")
@@ -76,8 +106,12 @@ class SamplingFields(RequestPart):
     def continuous_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.continuous_usage_stats
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
-        """Raises ValueError with SamplingParams' message for out-of-range values."""
+    def sampling_params(self, max_tokens: int, logprobs: int | None,
+                        structured: StructuredOutputs | None = None,
+                        logit_bias: dict[int, float] | None = None) -> SamplingParams:
+        """Raises ValueError with SamplingParams' message for out-of-range values.
+        ``structured`` and ``logit_bias``: the fields structured_fields.py maps (with the
+        400s that name the field the client used), passed in already mapped."""
         return SamplingParams(
             n=self.n, max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
             top_k=self.top_k, min_p=self.min_p, repetition_penalty=self.repetition_penalty,
@@ -85,7 +119,7 @@ class SamplingFields(RequestPart):
             seed=self.seed, stop=stop_strings(self.stop),
             stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos, logprobs=logprobs, cache_salt=self.cache_salt,
-            min_tokens=self.min_tokens,
+            min_tokens=self.min_tokens, structured_outputs=structured, logit_bias=logit_bias,
         )
 
 

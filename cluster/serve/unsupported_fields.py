@@ -2,12 +2,12 @@
 
 Every request body is strict (``extra="forbid"``): an option tandem does not implement is
 refused with its name rather than silently ignored, since a client that sends ``tools`` or
-``logit_bias`` would otherwise get an answer that quietly did not do what it asked. OpenAI's
+``suffix`` would otherwise get an answer that quietly did not do what it asked. OpenAI's
 and vLLM's own fields that tandem does not implement are told apart from names nobody knows
 (a typo), as OpenAI tells them apart.
 
 Clients that build bodies generically send some of these fields with a value that asks for
-nothing (``"tools": null``, ``"logit_bias": {}``) or for exactly what tandem does anyway
+nothing (``"tools": null``, ``"functions": []``) or for exactly what tandem does anyway
 (``"skip_special_tokens": true``); such a field is dropped before validation, not refused.
 """
 
@@ -16,19 +16,19 @@ from typing import Any
 
 # OpenAI's fields of completions and chat completions that tandem does not implement
 OPENAI_FIELDS = frozenset({
-    "logit_bias", "tools", "tool_choice", "functions", "function_call", "parallel_tool_calls",
+    "tools", "tool_choice", "functions", "function_call", "parallel_tool_calls",
     "suffix", "audio", "modalities", "prediction", "store", "metadata", "service_tier",
     "reasoning_effort", "web_search_options", "verbosity", "prompt_cache_key",
     "prompt_cache_retention", "safety_identifier",
 })
-# vLLM's extensions that tandem does not implement (it has min_tokens, ignore_eos, top_k, ...)
+# vLLM's extensions that tandem does not implement (it has min_tokens, ignore_eos, top_k, and
+# structured outputs: structured_fields.py; a whitespace pattern it cannot follow is refused)
 VLLM_FIELDS = frozenset({
     "use_beam_search", "length_penalty", "include_stop_str_in_output", "skip_special_tokens",
     "spaces_between_special_tokens", "truncate_prompt_tokens", "prompt_logprobs",
-    "allowed_token_ids", "bad_words", "guided_json", "guided_regex", "guided_choice",
-    "guided_grammar", "guided_decoding_backend", "guided_whitespace_pattern",
-    "structured_outputs", "add_special_tokens", "add_generation_prompt",
-    "continue_final_message", "chat_template", "chat_template_kwargs", "documents", "priority",
+    "allowed_token_ids", "bad_words", "guided_whitespace_pattern", "add_special_tokens",
+    "add_generation_prompt", "continue_final_message", "chat_template", "chat_template_kwargs",
+    "documents", "priority",
     "request_id", "return_tokens_as_token_ids", "logits_processors", "kv_transfer_params",
     "vllm_xargs", "mm_processor_kwargs", "echo",
 })

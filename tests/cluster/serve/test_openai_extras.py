@@ -1,5 +1,6 @@
-"""OpenAI fields vLLM clients send: echo and min_tokens, best_of and response_format refused
-clearly, user and cache_salt accepted; over the fake cluster of test_protocol, without Ray."""
+"""OpenAI fields vLLM clients send: echo and min_tokens, best_of and unknown response_format
+types refused clearly, user and cache_salt accepted; over the fake cluster of test_protocol,
+without Ray."""
 
 import httpx2 as httpx
 
@@ -76,10 +77,11 @@ def test_best_of_and_response_format_are_refused_clearly():
                    "to n", "type": "invalid_request_error", "param": "best_of",
         "code": "unsupported_value"}
     assert post({"prompt": [1], "best_of": 1}).status_code == 200
-    json_format = post({"prompt": [1], "response_format": {"type": "json_object"}})
+    json_format = post({"prompt": [1], "response_format": {"type": "json_xml"}})
     assert json_format.status_code == 400
     assert json_format.json()["error"]["message"] == (
-        "response_format 'json_object' is not supported (only 'text')")
+        "response_format type 'json_xml' is not supported: use 'text', 'json_object' or "
+        "'json_schema'")
     assert post({"prompt": [1], "response_format": {"type": "text"}}).status_code == 200
 
 

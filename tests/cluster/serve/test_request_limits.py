@@ -167,12 +167,11 @@ def test_floats_must_be_finite(field, value, shown):
 @pytest.mark.parametrize("field, value", [
     ("tools", [{"type": "function", "function": {"name": "f"}}]),
     ("tool_choice", "auto"),
-    ("logit_bias", {"42": 10}),
     ("functions", [{"name": "f"}]),
     ("function_call", "auto"),
     ("parallel_tool_calls", True),
     ("suffix", "!"),
-    ("guided_json", {"type": "object"}),
+    ("guided_whitespace_pattern", " *"),
     ("skip_special_tokens", False),
 ])
 def test_each_unsupported_field_is_named(field, value):
@@ -181,11 +180,17 @@ def test_each_unsupported_field_is_named(field, value):
                             field, "unsupported_parameter")
 
 
-def test_response_format_other_than_text_is_named():
+def test_response_format_without_a_schema_is_named():
     error = error_of(call("POST", "/v1/chat/completions", {
         "messages": QUESTION, "response_format": {"type": "json_schema"}}))
-    assert error == invalid("response_format 'json_schema' is not supported (only 'text')",
-                            "response_format", "unsupported_value")
+    assert error == invalid("response_format of type 'json_schema' needs a json_schema object "
+                            "with the schema in its 'schema' field", "response_format",
+                            "invalid_value")
+    other = error_of(call("POST", "/v1/chat/completions", {
+        "messages": QUESTION, "response_format": {"type": "xml"}}))
+    assert other == invalid("response_format type 'xml' is not supported: use 'text', "
+                            "'json_object' or 'json_schema'", "response_format",
+                            "unsupported_value")
 
 
 def test_unknown_and_nested_fields_are_named():
