@@ -257,8 +257,7 @@ class Worker:
     def _execute(self, step: StepInput) -> StepOutput | None:
         output = self._run_step(step)
         if output is not None and self.constraints is not None:
-            output.grammar_failures = self.constraints.failures(
-                [self.states[item.request_id] for item in step.scheduled])
+            output.grammar_failures = self.constraints.take_failures()
         return output
 
     def _run_step(self, step: StepInput) -> StepOutput | None:

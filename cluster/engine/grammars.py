@@ -17,6 +17,11 @@ from router.sequence import Sequence
 from router.structured_outputs import StructuredOutputs
 
 
+class GrammarViolation(Exception):
+    """A row's output holds a token its grammar does not allow (the worker reports it): a
+    fault of the masks' path. Its request fails alone."""
+
+
 @dataclass
 class WaitingRequest:
     request_id: str

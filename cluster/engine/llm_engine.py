@@ -20,7 +20,7 @@ from cluster.engine.engine_setup import (
     make_executor,
 )
 from cluster.engine.executor import Executor
-from cluster.engine.grammars import GrammarCompiles
+from cluster.engine.grammars import GrammarCompiles, GrammarViolation
 from cluster.engine.kv_events import KVEventPublisher
 from cluster.engine.kv_tiers import (
     TierTraffic,
@@ -388,8 +388,6 @@ class LLMEngine:
             if request_id is None:
                 continue
             tracker = self.requests[request_id]
-            from workers.structured.row_grammar import GrammarViolation
-
             self._fail(tracker, "following its grammar", GrammarViolation(why))
             broken.append(tracker)
         return broken

@@ -36,24 +36,28 @@ def check_convertible(structured: StructuredOutputs) -> None:
     """Raises ValueError, naming the field, when the backend cannot turn the constraint into
     a grammar (a bad regex, a ``$ref`` to nothing, EBNF that does not parse). Needs no
     tokenizer: the API layer runs it before anything is queued."""
+    try:
+        to_grammar(structured)
+    except Exception as error:  # xgrammar raises RuntimeError (and a few others) with a message
+        raise ValueError(f"structured_outputs.{structured.kind} does not compile: "
+                         f"{backend_message(error)}") from None
+
+
+def to_grammar(structured: StructuredOutputs) -> Any:
+    """The constraint as an xgrammar ``Grammar`` (no token-level work: ~0.1 ms)."""
     import xgrammar as xgr
 
-    kind, spec = structured.kind, structured.spec
-    try:
-        if kind in ("json", "json_object"):
-            xgr.Grammar.from_json_schema(spec, any_whitespace=structured.whitespace,
-                                         separators=None if structured.whitespace else SEPARATORS)
-        elif kind == "regex":
-            xgr.Grammar.from_regex(spec)
-        elif kind == "grammar":
-            xgr.Grammar.from_ebnf(spec)
-        elif kind == "choice":
-            xgr.Grammar.from_ebnf(choice_ebnf(structured.choice or ()))
-        else:
-            xgr.Grammar.from_structural_tag(spec)
-    except Exception as error:  # xgrammar raises RuntimeError (and a few others) with a message
-        raise ValueError(f"structured_outputs.{kind} does not compile: "
-                         f"{backend_message(error)}") from None
+    kind, spec, whitespace = structured.kind, structured.spec, structured.whitespace
+    if kind in ("json", "json_object"):
+        return xgr.Grammar.from_json_schema(spec, any_whitespace=whitespace,
+                                            separators=None if whitespace else SEPARATORS)
+    if kind == "regex":
+        return xgr.Grammar.from_regex(spec)
+    if kind == "grammar":
+        return xgr.Grammar.from_ebnf(spec)
+    if kind == "choice":
+        return xgr.Grammar.from_ebnf(choice_ebnf(structured.choice or ()))
+    return xgr.Grammar.from_structural_tag(spec)
 
 
 def choice_ebnf(choices: tuple[str, ...]) -> str:
@@ -79,22 +83,11 @@ class GrammarCompiler:
         self.without_controls = {ws: control_free_row(self.info, ws) for ws in (False, True)}
 
     def compile(self, structured: StructuredOutputs) -> "GrammarRef":
-        kind, spec, c = structured.kind, structured.spec, self.compiler
-        whitespace = structured.whitespace
-        if kind in ("json", "json_object"):
-            compiled = c.compile_json_schema(spec, any_whitespace=whitespace,
-                                             separators=None if whitespace else SEPARATORS)
-        elif kind == "regex":
-            compiled = c.compile_regex(spec)
-        elif kind == "grammar":
-            compiled = c.compile_grammar(spec)
-        elif kind == "choice":
-            compiled = c.compile_grammar(choice_ebnf(structured.choice or ()))
-        else:
-            compiled = c.compile_structural_tag(spec)
-        json_kind = kind in ("json", "json_object")
+        # xgrammar's cache keys on the grammar: a spec compiled before comes back in ~0.02 ms
+        compiled = self.compiler.compile_grammar(to_grammar(structured))
+        json_kind = structured.kind in ("json", "json_object")
         return GrammarRef(structured.key, self.source, compiled,
-                          self.without_controls[whitespace] if json_kind else None)
+                          self.without_controls[structured.whitespace] if json_kind else None)
 
 
 def control_free_row(info: Any, whitespace: bool) -> Any:

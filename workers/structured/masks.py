@@ -27,6 +27,7 @@ class LogitConstraints:
         self.vocab, self.device = vocab, device
         self.host = torch.empty(0, bitmask_words(vocab), dtype=torch.int32)
         self.shifts = torch.arange(BITS, dtype=torch.int32, device=device)
+        self.broken: list[tuple[str, str]] = []  # rows whose output broke their grammar
 
     def rows(self, count: int) -> torch.Tensor:
         """The first ``count`` rows of the host buffer (all tokens allowed)."""
@@ -49,13 +50,13 @@ class LogitConstraints:
         drafts its grammar takes (all, for rows without one)."""
         valid = [len(d) for d in drafts] if drafts is not None else []
         spans = self._spans(row_states, drafts, width)
-        biased = [(start, s) for start, s, _ in spans if s is not None and s.spec.logit_bias]
+        biased = [span for span in spans if span[1] is not None and span[1].spec.logit_bias]
         constrained = any(s is not None and s.grammar is not None for _, s, _ in spans)
         if not biased and not constrained:
             return logits, valid
         logits = logits.clone()
         if biased:
-            add_logit_bias(logits, biased, spans)
+            add_logit_bias(logits, biased)
         if constrained:
             bitmask = self.rows(logits.shape[0])
             masked: list[int] = []  # the rows a grammar masks; the others are left alone
@@ -63,7 +64,9 @@ class LogitConstraints:
                 grammar = state.grammar if state is not None else None
                 if grammar is None or state is None:
                     continue
-                grammar.catch_up(state.output_token_ids)
+                broken = grammar.catch_up(state.output_token_ids)
+                if broken is not None:
+                    self.broken.append((state.request_id, broken))
                 if row_drafts is None:
                     grammar.fill(bitmask, start)
                     masked.append(start)
@@ -84,10 +87,10 @@ class LogitConstraints:
             start += width if width is not None else 1 + len(row_drafts)
         return spans
 
-    def failures(self, states: Sequence[RequestState]) -> list[tuple[str, str]]:
-        """(request id, why) of the constrained rows whose output broke their grammar."""
-        return [(s.request_id, s.grammar.failed) for s in states
-                if s.grammar is not None and s.grammar.failed is not None]
+    def take_failures(self) -> list[tuple[str, str]]:
+        """(request id, why) of the rows found broken since the last call, each once."""
+        broken, self.broken = self.broken, []
+        return broken
 
     def _mask(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
         """Disallowed tokens of ``rows`` to -inf: one copy of their words to the device, the
@@ -106,14 +109,14 @@ class LogitConstraints:
             logits[index] = logits[index].masked_fill(refused, float("-inf"))
 
 
-def add_logit_bias(logits: torch.Tensor, biased: Sequence[tuple[int, RequestState]],
-                   spans: Sequence[tuple[int, RequestState | None, Sequence[int] | None]],
+def add_logit_bias(logits: torch.Tensor,
+                   biased: Sequence[tuple[int, RequestState | None, Sequence[int] | None]],
                    ) -> None:
     """Each biased state's bias on every one of its rows (its verify rows too)."""
-    widths = {start: 1 + len(d) if d is not None else 1 for start, _, d in spans}  # real rows
     rows, columns, values = [], [], []
-    for start, state in biased:
-        for row in range(start, start + widths[start]):
+    for start, state, drafts in biased:
+        assert state is not None
+        for row in range(start, start + 1 + len(drafts or ())):
             for token_id, bias in state.spec.logit_bias:
                 rows.append(row)
                 columns.append(token_id)

@@ -12,11 +12,6 @@ from typing import Any
 import torch
 
 
-class GrammarViolation(Exception):
-    """A row's output holds a token its grammar does not allow: a fault of the mask's path.
-    The row's request fails alone (the worker reports it; the engine ends that request)."""
-
-
 class RowGrammar:
     def __init__(self, compiled: Any, and_row: torch.Tensor | None = None) -> None:
         """``and_row``: a bitmask row every mask is ANDed with (JSON's control characters)."""
@@ -27,19 +22,21 @@ class RowGrammar:
         self.num_accepted = 0  # output tokens the matcher has taken
         self.failed: str | None = None
 
-    def catch_up(self, output_ids: Sequence[int]) -> None:
+    def catch_up(self, output_ids: Sequence[int]) -> str | None:
         """Accepts the output tokens the matcher has not seen. A token it refuses marks the
-        row failed (its mask then allows only the stop tokens, so the row ends)."""
+        row failed (its mask then allows only the stop tokens, so the row ends); the reason
+        is returned by the call that found it, None otherwise."""
         if self.failed is not None:
-            return
+            return None
         for token_id in output_ids[self.num_accepted:]:
             if self.matcher.is_terminated():
                 break  # the stop token ended the grammar: nothing after it is masked
             if not self.matcher.accept_token(token_id):
                 self.failed = (f"token {token_id} at output position {self.num_accepted} is "
                                "not allowed by the request's grammar")
-                return
+                return self.failed
             self.num_accepted += 1
+        return None
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         """Row ``row`` of ``bitmask`` (int32, one bit a token) to the tokens allowed next."""
@@ -53,8 +50,8 @@ class RowGrammar:
     def fill_drafts(self, bitmask: torch.Tensor, first_row: int, drafts: Sequence[int]) -> int:
         """Fills rows first_row .. first_row + len(drafts): row j allows what may follow the
         first j drafts. Returns how many drafts the grammar takes; the rows after the first
-        refused draft are never sampled from (verification stops there) and allow all. The
-        matcher ends where it began."""
+        refused draft are left unfilled (verification never samples there). The matcher ends
+        where it began."""
         valid = 0
         for j, token_id in enumerate(drafts):
             self.fill(bitmask, first_row + j)
@@ -64,8 +61,6 @@ class RowGrammar:
             valid += 1
         else:
             self.fill(bitmask, first_row + len(drafts))
-        for j in range(valid + 1, len(drafts) + 1):
-            bitmask[first_row + j] = -1
         if valid:
             self.matcher.rollback(valid)
         return valid

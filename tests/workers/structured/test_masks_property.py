@@ -155,7 +155,9 @@ def test_a_refused_token_in_the_output_fails_the_row_and_allows_only_the_stop(co
     assert state.grammar.failed == ("token 17 at output position 0 is not allowed by the "
                                     "request's grammar")
     assert (masked[0] > float("-inf")).nonzero().flatten().tolist() == [EOS]
-    assert constraints.failures([state]) == [("r", state.grammar.failed)]
+    assert constraints.take_failures() == [("r", state.grammar.failed)]
+    constraints.apply(torch.zeros(1, VOCAB), [state])
+    assert constraints.take_failures() == []  # reported once
 
 
 def test_logit_bias_is_added_before_the_mask_on_every_row_that_asks():
