@@ -16,9 +16,23 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
-from router.structured_outputs import StructuredOutputs
+
+class StructuredOutputs(Protocol):
+    """What the backend reads of a request's constraint (router.structured_outputs'
+    dataclass; workers may not import the router, so the seam names only its fields)."""
+
+    @property
+    def kind(self) -> str: ...
+    @property
+    def spec(self) -> str: ...
+    @property
+    def whitespace(self) -> bool: ...
+    @property
+    def choice(self) -> tuple[str, ...] | None: ...
+    @property
+    def key(self) -> tuple[str, str, bool]: ...
 
 # compact JSON: no free whitespace (small models loop on it), OpenAI's separators
 SEPARATORS = (", ", ": ")
