@@ -2,13 +2,17 @@
 
 import json
 from pathlib import Path
+from typing import Any
 
 from jinja2 import TemplateError
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from cluster.engine.tool_messages import for_plain_template, for_tool_template, knows_tools
+from router.tool_calls import Tool
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
-Message = dict[str, str]
+Message = dict[str, Any]  # role and content; an assistant's tool_calls, a tool's tool_call_id
 
 
 def load_tokenizer(folder: Path) -> PreTrainedTokenizerBase | None:
@@ -41,17 +45,29 @@ def check_text(text: str, what: str) -> None:
                          f"surrogate ({text[error.start]!r}), which has no encoding") from None
 
 
-def apply_chat_template(tokenizer: PreTrainedTokenizerBase | None,
-                        messages: list[Message]) -> list[int]:
+def apply_chat_template(tokenizer: PreTrainedTokenizerBase | None, messages: list[Message],
+                        tools: list[Tool] | None = None) -> list[int]:
+    """The conversation's prompt ids, ending with the assistant's turn. ``tools``: the
+    functions the model is offered (tool_messages.py writes them for a template that has
+    no place for them); messages' tool calls are rendered either way."""
     if tokenizer is None or not tokenizer.chat_template:
         raise ValueError("this model has no chat template: use generate() with a prompt")
     if not messages:
         raise ValueError("messages must not be empty")
     for index, message in enumerate(messages):
         for key, value in message.items():
-            check_text(value, f"messages[{index}].{key}")
+            if isinstance(value, str):
+                check_text(value, f"messages[{index}].{key}")
+    extra: dict[str, Any] = {}
+    if knows_tools(tokenizer.chat_template):
+        messages = for_tool_template(messages)
+        if tools:
+            extra["tools"] = [tool.as_openai() for tool in tools]
+    elif tools or any(m.get("tool_calls") or m["role"] == "tool" for m in messages):
+        messages = for_plain_template(messages, tools or [])
     try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                             tokenize=False, **extra)
     except TemplateError as error:  # the template's raise_exception(): roles out of order, ...
         raise ValueError(f"the model's chat template refused these messages: {error}") from None
     return tokenizer.encode(text, add_special_tokens=False)

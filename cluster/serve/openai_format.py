@@ -15,6 +15,7 @@ from cluster.serve.protocol import (
     TopLogprob,
     Usage,
 )
+from cluster.serve.tool_stream import assistant_message, finish_reason
 
 # per generated token: [(sampled id, logprob), (top-1 id, logprob), ...]
 TokenEntries = Sequence[list[tuple[int, float]]]
@@ -74,16 +75,19 @@ def completion_choices(tokenizer: PreTrainedTokenizerBase | None,
     ]
 
 
-def chat_choices(tokenizer: PreTrainedTokenizerBase | None,
-                 output: RequestOutput) -> list[ChatChoice]:
-    return [
-        ChatChoice(
-            index=c.index, message=AssistantMessage(content=c.text),
-            finish_reason=c.finish_reason, stop_reason=c.stop_reason,
-            logprobs=None if c.logprobs is None else chat_logprobs(tokenizer, c.logprobs),
-        )
-        for c in output.outputs
-    ]
+def chat_choices(tokenizer: PreTrainedTokenizerBase | None, output: RequestOutput,
+                 tool_calls: bool = False) -> list[ChatChoice]:
+    """``tool_calls``: read each choice's text for calls (the request offered tools)."""
+    choices = []
+    for c in output.outputs:
+        message, reason = AssistantMessage(content=c.text), c.finish_reason
+        if tool_calls:
+            message, parsed = assistant_message(c.text)
+            reason = finish_reason(parsed, reason)
+        choices.append(ChatChoice(
+            index=c.index, message=message, finish_reason=reason, stop_reason=c.stop_reason,
+            logprobs=None if c.logprobs is None else chat_logprobs(tokenizer, c.logprobs)))
+    return choices
 
 
 def usage(prompts: Sequence[Sequence[int]], outputs: Sequence[RequestOutput]) -> Usage:

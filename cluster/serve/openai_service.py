@@ -32,6 +32,7 @@ from cluster.serve.protocol import (
 from cluster.serve.request_streams import Cluster, final_outputs, merge_streams, prefetch
 from cluster.serve.structured_fields import engine_error_param, output_constraint, token_biases
 from cluster.serve.text_fields import check_utf8
+from cluster.serve.tool_fields import tool_request
 from router.sampling_params import SamplingParams
 from router.structured_outputs import StructuredOutputs
 
@@ -104,24 +105,29 @@ class OpenAIService:
         if not request.messages:
             raise bad_request("messages must not be empty: send at least one message",
                               "messages", code="empty_messages")
+        constraints = self._constraints(request)
+        tools = tool_request(request, constraints.source)
+        if tools.constraint is not None:
+            constraints = replace(constraints, structured=tools.constraint, source="tools")
         try:
             ids = apply_chat_template(self.tokenizer,
-                                      [m.as_template_message() for m in request.messages])
+                                      [m.as_template_message() for m in request.messages],
+                                      tools.tools or None)
         except ValueError as error:
             raise bad_request(str(error), "messages", code="invalid_messages") from error
         limit_name = "max_tokens" if request.max_completion_tokens is None \
             else "max_completion_tokens"
-        constraints = self._constraints(request)
         params = self._params(request, request.max_new_tokens, limit_name, request.num_logprobs,
                               ids, "messages", constraints)
         request_id = new_id("chatcmpl")
         stream = await self._start(request_id, [ids], [params], deadline, constraints.source)
         if request.stream:
-            return chat_events(stream, self._context(request_id, request, [ids]))
+            context = self._context(request_id, request, [ids])
+            return chat_events(stream, replace(context, tool_calls=tools.parses_calls))
         outputs = await self._finish(stream, 1)
         return ChatCompletionResponse(
             id=request_id, model=self.model_name, usage=usage([ids], outputs),
-            choices=chat_choices(self.tokenizer, outputs[0]),
+            choices=chat_choices(self.tokenizer, outputs[0], tools.parses_calls),
         )
 
     # -- checks -------------------------------------------------------------------------------

@@ -23,6 +23,7 @@ from cluster.serve.protocol import (
     Usage,
     now,
 )
+from cluster.serve.tool_stream import ToolCallStream, finish_reason
 
 DONE = "data: [DONE]\n\n"
 Stream = AsyncIterator[tuple[int, RequestOutput]]
@@ -91,6 +92,7 @@ class StreamContext:
     continuous_usage: bool = False  # every chunk carries the usage so far
     created: int = field(default_factory=now)
     echoes: list[str] | None = None  # each prompt's text, sent first (completions' echo)
+    tool_calls: bool = False  # chat: read the text for tool calls (tool_stream.py)
 
 
 async def completion_events(stream: Stream, ctx: StreamContext) -> AsyncIterator[str]:
@@ -116,11 +118,18 @@ async def chat_events(stream: Stream, ctx: StreamContext) -> AsyncIterator[str]:
         return event(ChatCompletionChunk(id=ctx.request_id, model=ctx.model, created=ctx.created,
                                          choices=choices, usage=usage))
 
+    calls: dict[int, ToolCallStream] = {}
+
     def choice(d: Delta) -> ChatChunkChoice:
         logprobs = None if d.logprobs is None else chat_logprobs(ctx.tokenizer, d.logprobs)
-        return ChatChunkChoice(index=d.index, delta=DeltaMessage(content=d.text),
-                               finish_reason=d.finish_reason, stop_reason=d.stop_reason,
-                               logprobs=logprobs)
+        delta, reason = DeltaMessage(content=d.text), d.finish_reason
+        if ctx.tool_calls:
+            reader = calls.setdefault(d.index, ToolCallStream())
+            content, deltas = reader.feed(d.text, final=reason is not None)
+            delta = DeltaMessage(content=content or None, tool_calls=deltas or None)
+            reason = finish_reason(reader.parsed, reason)
+        return ChatChunkChoice(index=d.index, delta=delta, finish_reason=reason,
+                               stop_reason=d.stop_reason, logprobs=logprobs)
 
     # a chat stream opens with the assistant's role, one chunk for every choice
     opening = [ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))

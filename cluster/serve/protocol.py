@@ -141,17 +141,60 @@ class TextPart(RequestPart):
     text: str = Field(description="The part's text.")
 
 
+class CalledFunction(RequestPart):
+    name: str = Field(description="The function's name.")
+    arguments: str = Field(description="Its arguments: a JSON object's text.")
+
+
+class ToolCallIn(RequestPart):
+    """A call an assistant message of the conversation made."""
+
+    id: str = Field(description="The call's id, which the tool's answer names.")
+    type: Literal["function"] = Field("function", description="Only functions.")
+    function: CalledFunction
+
+
 class ChatMessage(RequestPart):
     ignorable = MESSAGE_FIELDS
 
     role: Literal["system", "user", "assistant", "tool", "developer"] = Field(
         description="Who wrote the message.")
     content: str | list[TextPart] | None = Field(None, description="The message's text.")
+    tool_calls: list[ToolCallIn] | None = Field(None, description="An assistant's calls.")
+    tool_call_id: str | None = Field(None, description="A tool message: the call it answers.")
 
-    def as_template_message(self) -> dict[str, str]:
+    def as_template_message(self) -> dict[str, Any]:
         content = self.content if isinstance(self.content, str) else "".join(
             part.text for part in self.content or [])
-        return {"role": "system" if self.role == "developer" else self.role, "content": content}
+        message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role,
+                                   "content": content}
+        if self.tool_calls:
+            message["tool_calls"] = [call.model_dump() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
+
+
+class FunctionSpec(RequestPart):
+    name: str = Field(description="The function's name.")
+    description: str | None = Field(None, description="What it does, for the model.")
+    parameters: dict[str, Any] | None = Field(None, description="Its arguments' JSON schema.")
+    strict: bool | None = Field(None, description="Accepted: arguments always match the "
+                                "schema.")
+
+
+class ToolSpec(RequestPart):
+    type: Literal["function"] = Field(description="Only functions.")
+    function: FunctionSpec
+
+
+class NamedFunction(RequestPart):
+    name: str
+
+
+class NamedToolChoice(RequestPart):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -163,6 +206,11 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = Field(False, description="Return the logprob of each generated token.")
     top_logprobs: int | None = Field(None, description="With logprobs: the top-n alternatives "
                                      "at each position, in [0, 20].")
+    tools: list[ToolSpec] | None = Field(None, description="Functions the model may call.")
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, description="none, auto (the default with tools), required, or {\"type\": "
+        "\"function\", \"function\": {\"name\": ...}}.")
+    parallel_tool_calls: bool = Field(True, description="false: at most one call.")
 
     @property
     def max_new_tokens(self) -> int | None:
@@ -229,9 +277,21 @@ class ChatLogprobs(BaseModel):
     content: list[TokenLogprob] | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str = Field(description="A JSON object's text, as the model wrote it.")
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -251,9 +311,25 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage | None = None
 
 
+class DeltaFunction(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(BaseModel):
+    """A call's part in a chunk: its first carries id, type and name; the others add to
+    its arguments. ``index`` tells the calls of a choice apart."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunction
+
+
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(BaseModel):

@@ -11,6 +11,7 @@ JSON with the tokenizer's folder when pickled for a shard actor (``GrammarRef``)
 is rebuilt once per grammar and per process.
 """
 
+import json
 import re
 import threading
 from collections import OrderedDict
@@ -71,13 +72,31 @@ def to_grammar(structured: StructuredOutputs) -> Any:
         return xgr.Grammar.from_ebnf(spec)
     if kind == "choice":
         return xgr.Grammar.from_ebnf(choice_ebnf(structured.choice or ()))
-    return xgr.Grammar.from_structural_tag(spec)
+    tag = compact_json(json.loads(spec), whitespace)
+    return xgr.Grammar.from_structural_tag(json.dumps(tag))
+
+
+def compact_json(node: Any, whitespace: bool) -> Any:
+    """A structural tag whose JSON contents follow the JSON mode's whitespace rule: xgrammar
+    lets any whitespace into a tag's ``json_schema`` content, so each becomes the EBNF of
+    ``from_json_schema`` (compact unless ``whitespace``). Tool-call arguments are then
+    exactly what json.dumps writes, which the streamed calls rely on."""
+    import xgrammar as xgr
+
+    if isinstance(node, list):
+        return [compact_json(item, whitespace) for item in node]
+    if not isinstance(node, dict):
+        return node
+    if node.get("type") == "json_schema" and node.get("style", "json") == "json":
+        grammar = xgr.Grammar.from_json_schema(
+            json.dumps(node["json_schema"]), any_whitespace=whitespace,
+            separators=None if whitespace else SEPARATORS)
+        return {"type": "grammar", "grammar": str(grammar)}
+    return {key: compact_json(value, whitespace) for key, value in node.items()}
 
 
 def choice_ebnf(choices: tuple[str, ...]) -> str:
     """One alternative per choice, each a JSON-escaped literal (EBNF takes JSON's escapes)."""
-    import json
-
     return "root ::= " + " | ".join(json.dumps(choice) for choice in choices)
 
 

@@ -139,3 +139,31 @@ def test_a_sampled_choice_is_distributed_as_the_masked_target(llm):
     cells = [(c, e) for c, e in cells if e > 0]
     chi2 = sum((c - e) ** 2 / e for c, e in cells)
     assert chi2 < CRITICAL[len(cells) - 1], (chi2, cells)
+
+
+WEATHER_SCHEMA = {"type": "object", "properties": {
+    "city": {"type": "string", "maxLength": 20},
+    "unit": {"enum": ["celsius", "fahrenheit"]}}, "required": ["city", "unit"]}
+
+
+@pytest.mark.parametrize("choice", ["required", "get_weather"])
+def test_required_tool_calls_parse_and_validate(llm, choice):
+    from cluster.engine.tokenizer import apply_chat_template
+    from router.tool_calls import Tool, parse_tool_calls, tool_call_constraint
+
+    tools = [Tool("get_weather", "The current weather in a city.", WEATHER_SCHEMA),
+             Tool("get_time", "The time in a city.",
+                  {"type": "object", "properties": {"city": {"type": "string",
+                                                             "maxLength": 20}}})]
+    ids = apply_chat_template(llm.engine.tokenizer, [
+        {"role": "user", "content": "What is the weather in Paris, in celsius?"}], tools)
+    params = SamplingParams(temperature=0.0, max_tokens=120,
+                            structured_outputs=tool_call_constraint(tools, choice, False))
+    out = llm.generate([ids], params)[0].outputs[0]
+    parsed = parse_tool_calls(out.text)
+    assert out.finish_reason == "stop" and parsed.content == ""
+    (call,) = parsed.calls
+    assert call.complete and call.name in ("get_weather", "get_time")
+    schema = tools[0].parameters if call.name == "get_weather" else tools[1].parameters
+    jsonschema.validate(json.loads(call.arguments), schema)
+    assert call.arguments == json.dumps(json.loads(call.arguments), ensure_ascii=False)

@@ -198,11 +198,11 @@ def test_unknown_and_nested_fields_are_named():
     assert unknown == invalid("Unknown parameter: 'max_token'.", "max_token", "unknown_parameter")
     several = error_of(call("POST", "/v1/chat/completions", {
         "messages": [{"role": "user", "content": "Hi", "name": "ann"}],
-        "tools": [{"type": "function"}], "colour": "red",
+        "functions": [{"name": "f"}], "colour": "red",
         "stream_options": {"include_usage": True, "every_chunk": True}}))
     assert several == invalid(
-        "Unsupported parameters: 'messages[0].name', 'tools' are not supported by tandem; "
-        "unknown parameters: 'colour', 'stream_options.every_chunk'.", "messages[0].name",
+        "Unsupported parameters: 'functions', 'messages[0].name' are not supported by tandem; "
+        "unknown parameters: 'colour', 'stream_options.every_chunk'.", "functions",
         "unsupported_parameter")
 
 
