@@ -11,9 +11,9 @@ Steps without drafts never touch it, so they run as the plain engine's do (multi
 the lookahead step).
 
 Which of its K/V stays valid is settled lazily, the next time a row drafts: draft step j
-wrote position ``L - 1 + j`` (``L``: the row's tokens when it drafted) from draft ``j - 1``,
-the last draft included, so with ``a`` drafts accepted the first ``L + a`` positions hold the
-right K/V; the target's tokens since then say what ``a`` was. A position computed again writes the
+wrote position ``L - 2 + j`` (``L``: the row's tokens when it drafted) from draft ``j - 1``,
+so with ``a`` drafts accepted the first ``L - 1 + min(k, a + 1)`` positions hold the right
+K/V; the target's tokens since then say what ``a`` was. A position computed again writes the
 same slot, so a rejected draft's K/V is simply overwritten.
 """
 
@@ -61,7 +61,7 @@ class Drafted:
             if draft != token:
                 break
             accepted += 1
-        return start + accepted
+        return start - 1 + min(len(self.drafts), accepted + 1)
 
 
 class DraftModel:
@@ -120,17 +120,12 @@ class DraftModel:
         rows = self._decode_rows([request_ids[r] for r in order], [states[r] for r in order])
         tokens = tokens[torch.tensor(order, device=tokens.device)]
         proposed = [tokens]
-        for index in range(1, max(counts) + 1):
-            # each row's drafts so far go in, its last one too: when all are accepted the
-            # next drafting then has one new token a row (the bonus), a graphed step, where
-            # two would need an eager forward
-            fed = sum(counts[r] >= index for r in order)  # a prefix of ``order``
-            step = rows.first(fed).advanced(index, self.block_size)
+        for index in range(1, max(counts)):
+            live = sum(counts[r] > index for r in order)  # a prefix of ``order``
+            step = rows.first(live).advanced(index, self.block_size)
             hidden = forward_decode_rows(self.model, self.kv_caches, self.graphs, step,
-                                         self.device, proposed[index - 1][:fed])
-            live = sum(counts[r] > index for r in order)
-            if live:
-                proposed.append(greedy(self.model.compute_logits(hidden[:live])))
+                                         self.device, proposed[-1][:live])
+            proposed.append(greedy(self.model.compute_logits(hidden)))
         drafts: list[list[int]] = [[] for _ in states]
         for values in proposed:
             for rank, token in enumerate(values.tolist()):

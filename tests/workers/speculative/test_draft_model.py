@@ -63,17 +63,16 @@ def test_drafts_after_a_pause_catch_up_in_one_forward(draft, greedy):
     a, b = greedy(PROMPTS[0], 12), greedy(PROMPTS[1], 4)
     # new to the draft: one forward over each whole prompt, then one-token steps
     assert draft.draft(["a", "b"], [first, second], [3, 1]) == [a[:3], b[:1]]
-    # (each row's last draft goes in too: its K/V is ready should every draft be accepted)
-    assert draft.model.forwards == [len(PROMPTS[0]) + len(PROMPTS[1]), 2, 1, 1]
+    assert draft.model.forwards == [len(PROMPTS[0]) + len(PROMPTS[1]), 1, 1]
     # a's three drafts were accepted with the bonus token, then it decoded 4 plain steps
     # without the draft; b's one draft was accepted with the bonus
     first.token_ids += a[:8]
     second.token_ids += b[:2]
     draft.model.forwards.clear()
     assert draft.draft(["a", "b"], [first, second], [4, 2]) == [a[8:12], b[2:4]]
-    # a's K/V was right through its third draft (position 12): the forward covers
-    # positions 13-17; b's through its draft (19): the bonus, 20. Then the one-token steps
-    assert draft.model.forwards == [5 + 1, 2, 2, 1, 1]
+    # a's K/V was right through its third draft step (position 11): the forward covers
+    # positions 12-17; b's through its draft's step (18): 18-19. Then the one-token steps
+    assert draft.model.forwards == [6 + 2, 2, 1, 1]
 
 
 def test_a_rejected_draft_leaves_the_row_in_step_and_a_released_one_starts_again(draft,
@@ -84,18 +83,18 @@ def test_a_rejected_draft_leaves_the_row_in_step_and_a_released_one_starts_again
     first.token_ids += [d1, (d2 + 1) % 1000]  # the first accepted, the second rejected
     draft.model.forwards.clear()
     assert draft.draft(["a"], [first], [2]) == [greedy(first.token_ids, 2)]
-    assert draft.model.forwards == [1, 1, 1]  # in step: its newest token alone, then steps
+    assert draft.model.forwards == [1, 1]  # in step: its newest token alone, then a step
     draft.release(["a"])  # preempted: back with blocks the draft never wrote
     first.block_ids = list(range(30, 42))
     draft.model.forwards.clear()
     assert draft.draft(["a"], [first], [1]) == [greedy(first.token_ids, 1)]
-    assert draft.model.forwards == [len(first.token_ids), 1]
+    assert draft.model.forwards == [len(first.token_ids)]
 
 
 def test_which_positions_stay_valid_after_a_verify():
-    drafted = Drafted(10, [5, 6, 7])  # drafted at 10 tokens: its steps wrote positions 9-12
+    drafted = Drafted(10, [5, 6, 7])  # drafted at 10 tokens: its steps wrote positions 9-11
     tokens = list(range(10))
-    assert drafted.valid_positions(tokens + [5, 6, 7, 8]) == 13  # all kept: all but the bonus
+    assert drafted.valid_positions(tokens + [5, 6, 7, 8]) == 12  # all kept, and the bonus
     assert drafted.valid_positions(tokens + [5, 6, 9]) == 12  # the 3rd rejected
     assert drafted.valid_positions(tokens + [5, 9]) == 11
     assert drafted.valid_positions(tokens + [9]) == 10  # none kept: its own newest only
