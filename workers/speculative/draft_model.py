@@ -3,8 +3,9 @@ cache is indexed by the target's own block ids.
 
 It runs only in the steps where some row drafts, and only for those rows: at the start of
 such a step it brings each row's K/V up to date in one forward over the tokens it has not
-seen (the whole context for a row that never drafted, none for one that drafted last step and
-had its drafts accepted), samples the first draft from that forward's last position, then
+seen (the whole context for a row that never drafted, eagerly; for one that drafted last step
+its accepted drafts and the target's next token, a few one-token rows, graphed), samples the
+first draft from that forward's last position of each row, then
 makes the rest in one-token steps (graphed on a GPU), greedily: a deterministic proposal,
 which verification treats as a one-hot and so keeps sampled output exact at any temperature.
 Steps without drafts never touch it, so they run as the plain engine's do (multi-step calls,
@@ -30,6 +31,7 @@ from workers.input_batch import (
     build_input_batch,
     forward_decode_rows,
     slots_of,
+    to_device,
 )
 from workers.kv_cache import KVCaches, allocate_kv_caches, kv_bytes_per_block
 from workers.layers.parallel import TensorParallelGroup
@@ -118,7 +120,7 @@ class DraftModel:
         tokens = self._catch_up(request_ids, states)
         order = sorted(range(len(states)), key=lambda r: -counts[r])  # the longest first
         rows = self._decode_rows([request_ids[r] for r in order], [states[r] for r in order])
-        tokens = tokens[torch.tensor(order, device=tokens.device)]
+        tokens = tokens[to_device(np.array(order, dtype=np.int64), self.device)]
         proposed = [tokens]
         for index in range(1, max(counts)):
             live = sum(counts[r] > index for r in order)  # a prefix of ``order``
@@ -139,14 +141,19 @@ class DraftModel:
         seen up to and including the row's newest: (rows,) on the device."""
         starts = [self._known(request_id, state) for request_id, state in
                   zip(request_ids, states, strict=True)]
-        if all(start == len(state.token_ids) - 1 for start, state in
-               zip(starts, states, strict=True)):  # in step: one-token rows, graphed
-            rows = self._decode_rows(request_ids, states)
+        missing = [len(state.token_ids) - start for start, state in
+                   zip(starts, states, strict=True)]
+        if max(missing) <= 1 + self.num_drafts:
+            # a row that drafted last step misses its accepted drafts and the bonus: a few
+            # tokens each, run as decode rows (graphed), where an eager forward of the draft
+            # costs several graphed steps
+            rows, last = self._catch_up_rows(request_ids, states, starts)
             hidden = forward_decode_rows(self.model, self.kv_caches, self.graphs, rows,
                                          self.device)
+            hidden = hidden[to_device(last, self.device)]
         else:
-            items = [ScheduledRequest(request_id, start, len(state.token_ids) - start)
-                     for request_id, state, start in zip(request_ids, states, starts,
+            items = [ScheduledRequest(request_id, start, count)
+                     for request_id, start, count in zip(request_ids, starts, missing,
                                                          strict=True)]
             by_id = dict(zip(request_ids, states, strict=True))
             batch: InputBatch = build_input_batch(items, by_id,  # type: ignore[arg-type]
@@ -156,6 +163,26 @@ class DraftModel:
         for request_id, state in zip(request_ids, states, strict=True):
             self.computed[request_id] = len(state.token_ids)
         return greedy(self.model.compute_logits(hidden))
+
+    def _catch_up_rows(self, request_ids: list[str], states: list[RowState],
+                       starts: list[int]) -> tuple[DecodeRows, np.ndarray]:
+        """Each row's unseen tokens as one-token rows at their positions (a row sees the
+        ones before it: each layer stores the step's K/V before it attends), and the index
+        of each row's newest."""
+        ids, tokens, positions, tables = [], [], [], []
+        for request_id, state, start in zip(request_ids, states, starts, strict=True):
+            end = len(state.token_ids)
+            ids += [request_id] * (end - start)
+            tokens += state.token_ids[start:end]
+            positions += range(start, end)
+            tables += [state.block_ids] * (end - start)
+        table = block_table_array(tables)
+        pos = np.array(positions, dtype=np.int64)
+        rows = DecodeRows(ids, np.array(tokens, dtype=np.int64), pos,
+                          slots_of(table, np.arange(len(pos)), pos, self.block_size), table)
+        last = np.cumsum([len(state.token_ids) - start for state, start in
+                          zip(states, starts, strict=True)]) - 1
+        return rows, last.astype(np.int64)
 
     def _known(self, request_id: str, state: RowState) -> int:
         """Leading positions of the row whose draft K/V is right (settling its last

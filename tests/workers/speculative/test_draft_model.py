@@ -31,11 +31,12 @@ class Counting:
     """The draft's model, counting the tokens of each forward."""
 
     def __init__(self, model) -> None:  # type: ignore[no-untyped-def]
-        self.model, self.forwards = model, []
+        self.model, self.forwards, self.query_lens = model, [], []
 
-    def __call__(self, input_ids, *args):  # type: ignore[no-untyped-def]
+    def __call__(self, input_ids, positions, kv_caches, meta):  # type: ignore[no-untyped-def]
         self.forwards.append(input_ids.numel())
-        return self.model(input_ids, *args)
+        self.query_lens.append(meta.max_query_len)  # 1: one-token rows (graphed on a GPU)
+        return self.model(input_ids, positions, kv_caches, meta)
 
     def __getattr__(self, name):  # type: ignore[no-untyped-def]
         return getattr(self.model, name)
@@ -89,6 +90,20 @@ def test_a_rejected_draft_leaves_the_row_in_step_and_a_released_one_starts_again
     draft.model.forwards.clear()
     assert draft.draft(["a"], [first], [1]) == [greedy(first.token_ids, 1)]
     assert draft.model.forwards == [len(first.token_ids)]
+
+
+def test_a_row_a_few_tokens_behind_catches_up_as_one_token_rows(draft, greedy):
+    first, second = states()
+    a, b = greedy(PROMPTS[0], 7), greedy(PROMPTS[1], 3)
+    assert draft.draft(["a", "b"], [first, second], [3, 2]) == [a[:3], b[:2]]
+    first.token_ids += a[:4]  # all three accepted, and the bonus: positions 12 and 13 unseen
+    second.token_ids += [b[0], (b[1] + 1) % 1000]  # the second rejected: 19 (its newest) unseen
+    b = greedy(second.token_ids, 2)
+    draft.model.forwards.clear()
+    draft.model.query_lens.clear()
+    assert draft.draft(["a", "b"], [first, second], [3, 2]) == [a[4:7], b]
+    assert draft.model.forwards == [2 + 1, 2, 1]
+    assert draft.model.query_lens == [1, 1, 1]  # decode rows, not an eager prefill
 
 
 def test_which_positions_stay_valid_after_a_verify():
