@@ -24,6 +24,7 @@ is tried again with one draft, after 16 steps, then 32, ... (``RETRY_AFTER``): a
 draft model costs almost nothing once it has been found out.
 """
 
+import itertools
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -32,14 +33,16 @@ PRIOR_ALPHA = 0.6  # before a sequence has verified anything: the brief's break-
 ALPHA_MEMORY = 0.8  # each verified draft moves the estimate by 1 - this
 RETRY_AFTER = 16  # steps off before a sequence is tried again; doubled after each failed try
 MAX_RETRY_AFTER = 512
-RCOND = 1e-6  # directions the calls have not told apart are left at 0 (drafts, before any)
+RCOND = 1e-12  # numerical noise of the solve, not a choice
+RIDGE = 1e-9  # what the calls leave open goes to the step (``_least_squares``)
 
 
 @dataclass
 class StepCosts:
-    """seconds ~ features . (a, b, g, h), by least squares over recent calls. Features that
-    move together (at batch 1 a call's tokens are its steps plus its drafts) are parted by the
-    smallest solution: what a decision reads of them, their sum, is still right."""
+    """seconds ~ features . (a, b, g, h), by least squares over recent calls, none below 0.
+    Features that move together (at batch 1 a plain call's tokens are its steps; a draft's
+    steps are its tokens) are parted in favour of the step ``a``: what a decision reads of
+    them, the time of the calls it compares, is still what was measured."""
 
     forget: float = 0.98
     xtx: np.ndarray = field(default_factory=lambda: np.zeros((4, 4)))
@@ -54,14 +57,40 @@ class StepCosts:
         self.calls = self.calls * self.forget + 1
 
     def fit(self) -> tuple[float, float, float, float] | None:
-        """(a, b, g, h), each at least 0, or None before two calls were seen."""
+        """(a, b, g, h), each at least 0, or None before two calls were seen: the best fit
+        with no negative cost (a negative one clamped afterwards would break the fit of the
+        calls that set it)."""
         if self.calls < 2:
             return None
         scale = np.sqrt(np.maximum(np.diag(self.xtx), 1e-30))  # columns of like size
-        theta = np.linalg.lstsq(self.xtx / np.outer(scale, scale), self.xty / scale,
-                                rcond=RCOND)[0] / scale
-        a, b, g, h = (max(float(value), 0.0) for value in theta)
+        gram = self.xtx / np.outer(scale, scale)
+        target = self.xty / scale
+        theta = _least_squares(gram, target, range(4))
+        if np.any(theta < 0):
+            fits = [_least_squares(gram, target, free)
+                    for size in range(1, 4) for free in itertools.combinations(range(4), size)]
+            theta = min((t for t in fits if np.all(t >= 0)), key=lambda t: _loss(gram, target, t),
+                        default=np.zeros(4))
+        a, b, g, h = (float(value) for value in theta / scale)
         return a, b, g, h
+
+
+def _least_squares(gram: np.ndarray, target: np.ndarray, free) -> np.ndarray:  # type: ignore[no-untyped-def]
+    """Least squares over the ``free`` coefficients (the rest 0). What the calls leave open
+    goes to ``a``, the step: a tiny ridge on the others (at batch 1 a plain call's tokens are
+    its steps, so only their sum is known, and calling it all the step's keeps a draft's
+    price, its extra tokens, at what the verify calls measured)."""
+    free = list(free)
+    ridge = RIDGE * np.diag([0.0, 1.0, 1.0, 1.0])[np.ix_(free, free)]
+    theta = np.zeros(4)
+    theta[free] = np.linalg.lstsq(gram[np.ix_(free, free)] + ridge, target[free],
+                                  rcond=RCOND)[0]
+    return theta
+
+
+def _loss(gram: np.ndarray, target: np.ndarray, theta: np.ndarray) -> float:
+    """The squared error of a fit, up to a constant."""
+    return float(theta @ gram @ theta - 2 * theta @ target + RIDGE * theta[1:] @ theta[1:])
 
 
 @dataclass

@@ -4,7 +4,7 @@ step's rate."""
 
 import pytest
 
-from router.speculation import PRIOR_ALPHA, RETRY_AFTER, DraftLength, StepCosts
+from router.speculation import PRIOR_ALPHA, RETRY_AFTER, Acceptance, DraftLength, StepCosts
 
 
 def fitted(a: float, b: float, g: float = 0.0, h: float = 0.0) -> StepCosts:
@@ -32,6 +32,26 @@ def test_the_costs_are_fitted_from_the_calls():
         one_size.add(0.01, steps=1, tokens=1)
     a, b, g, h = one_size.fit()
     assert a + b == pytest.approx(0.01) and (g, h) == (0.0, 0.0)
+
+
+def test_calls_of_batch_1_alone_fit_with_no_negative_cost_and_drafts_pay():
+    # a GPU at batch 1: 8-step plain calls of 5.8 ms a step, and two verify calls of 4 drafts
+    # (a draft model's four forwards) at 11.6 ms. Only a + b and a + 5b + 4g + 4h are known:
+    # a fit with g and h below 0, clamped, said a verify costs 17 ms and stopped drafting
+    costs = StepCosts()
+    for _ in range(2):
+        costs.add(0.0116, steps=1, tokens=5, draft_steps=4, draft_tokens=4)
+    for _ in range(10):
+        costs.add(8 * 0.0058, steps=8, tokens=8)
+    a, b, g, h = costs.fit()
+    assert min(a, b, g, h) >= 0
+    assert a + b == pytest.approx(0.0058, rel=1e-4)
+    assert a + 5 * b + 4 * (g + h) == pytest.approx(0.0116, rel=1e-4)
+    assert b < 0.0001  # what is left open goes to the step
+    lengths = DraftLength(max_drafts=4, costs=costs)
+    lengths.seqs["a"] = Acceptance(alpha=0.8)
+    # 1 + .8 + .64 + .512 = 2.95 tokens in 10.1 ms beats 3.36 in 11.6 ms and 1 in 5.8
+    assert lengths.choose(["a"], batch_size=1) == {"a": 3}
 
 
 def test_a_weight_bound_small_batch_drafts_while_a_large_one_does_not():
