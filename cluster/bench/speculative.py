@@ -154,6 +154,13 @@ def set_draft_length(llm, k: int) -> None:  # type: ignore[no-untyped-def]
     llm.engine.speculator.lengths.max_drafts = k
 
 
+def fitted_costs_ms(llm) -> list[float] | None:  # type: ignore[no-untyped-def]
+    """What adaptive speculation believes a call costs (router/speculation.py): the step, a
+    token, a draft step, a draft token, in ms."""
+    fitted = llm.engine.speculator.lengths.costs.fit()
+    return None if fitted is None else [round(1e3 * value, 4) for value in fitted]
+
+
 def run_speculative(args: argparse.Namespace) -> int:
     from cluster.bench.commands import Setup
     from cluster.bench.report import publish
@@ -196,6 +203,7 @@ def run_speculative(args: argparse.Namespace) -> int:
                           "verify_steps": run["drafts"],
                           "kept_per_position": run["kept_per_position"][:k],
                           "rounds": run["rounds"], "fixed_point": run["fixed_point"],
+                          "fitted_costs_ms": fitted_costs_ms(llm),
                           "rows_equal_to_plain": sum(x == len(t) for x, t in
                                                      zip(left, run["tokens"], strict=True)),
                           "first_difference": left}
@@ -205,7 +213,8 @@ def run_speculative(args: argparse.Namespace) -> int:
                              theory(a, k) / step_cost, run["rounds"],
                              f"{result['rows_equal_to_plain']}/{batch}"])
                 print(f"  batch {batch} alpha {alpha} k {k}: {plain_s / run['seconds']:.2f}x "
-                      f"({run['rounds']} rounds)", flush=True)
+                      f"({run['rounds']} rounds; the engine's fitted costs a, b, g, h: "
+                      f"{result['fitted_costs_ms']} ms)", flush=True)
     table = markdown_table(["batch", "alpha", "k", "tokens / verify", "theory",
                             "verify step (plain steps)", "speedup", "theory speedup",
                             "rounds", "rows as plain"], rows)

@@ -3,10 +3,10 @@ cache is indexed by the target's own block ids.
 
 It runs only in the steps where some row drafts, and only for those rows: at the start of
 such a step it brings each row's K/V up to date in one forward over the tokens it has not
-seen (the whole context for a row that never drafted, eagerly; for one that drafted last step
-its accepted drafts and the target's next token, a few one-token rows, graphed), samples the
-first draft from that forward's last position of each row, then
-makes the rest in one-token steps (graphed on a GPU), greedily: a deterministic proposal,
+seen (its accepted drafts and the target's next token for a row that drafted last step; what
+it missed for one back from a pause; the whole context for one new to it), as one-token rows
+in a CUDA graph when one holds them (``_as_rows``), samples each row's first draft from its
+last position, then makes the rest in one-token steps (graphed), greedily: a deterministic proposal,
 which verification treats as a one-hot and so keeps sampled output exact at any temperature.
 Steps without drafts never touch it, so they run as the plain engine's do (multi-step calls,
 the lookahead step).
@@ -143,10 +143,7 @@ class DraftModel:
                   zip(request_ids, states, strict=True)]
         missing = [len(state.token_ids) - start for start, state in
                    zip(starts, states, strict=True)]
-        if max(missing) <= 1 + self.num_drafts:
-            # a row that drafted last step misses its accepted drafts and the bonus: a few
-            # tokens each, run as decode rows (graphed), where an eager forward of the draft
-            # costs several graphed steps
+        if self._as_rows(missing):
             rows, last = self._catch_up_rows(request_ids, states, starts)
             hidden = forward_decode_rows(self.model, self.kv_caches, self.graphs, rows,
                                          self.device)
@@ -163,6 +160,16 @@ class DraftModel:
         for request_id, state in zip(request_ids, states, strict=True):
             self.computed[request_id] = len(state.token_ids)
         return greedy(self.model.compute_logits(hidden))
+
+    def _as_rows(self, missing: list[int]) -> bool:
+        """Whether the catch-up runs as one-token rows: whenever a CUDA graph holds them all
+        (an eager forward of a draft costs several graphed steps: its time is launches, so
+        a sequence back from a pause, or new to the draft, pays one graphed step), and
+        without graphs when each row is a few tokens behind (its accepted drafts and the
+        target's next token), where a prefill's kernels would gain nothing."""
+        if self.graphs is not None:
+            return sum(missing) <= self.graphs.sizes[-1]
+        return max(missing) <= 1 + self.num_drafts
 
     def _catch_up_rows(self, request_ids: list[str], states: list[RowState],
                        starts: list[int]) -> tuple[DecodeRows, np.ndarray]:
