@@ -88,7 +88,19 @@ def counted(llm, prompts: list[list[int]], output_len: int) -> dict:  # type: ig
     """One timed run with the speculation counters it moved."""
     per_position = llm.engine.metrics.spec_decode_accepted_per_position  # grows in place
     before, was = llm.stats(), list(per_position)
-    tokens, seconds = timed(llm, prompts, output_len)
+    costs = llm.engine.speculator.lengths.costs
+    calls: list[list[float]] = []  # what adaptive speculation measured, call by call
+    add = costs.add
+
+    def recorded(seconds: float, *features: int) -> None:
+        calls.append([*features, round(1e3 * seconds, 3)])
+        add(seconds, *features)
+
+    costs.add = recorded
+    try:
+        tokens, seconds = timed(llm, prompts, output_len)
+    finally:
+        costs.add = add
     after, now = llm.stats(), list(per_position)
     drafts = after.spec_decode_num_drafts - before.spec_decode_num_drafts
     was += [0] * (len(now) - len(was))
@@ -96,7 +108,8 @@ def counted(llm, prompts: list[list[int]], output_len: int) -> dict:  # type: ig
             "kept_per_position": [b - a for a, b in zip(was, now, strict=True)],
             "draft_tokens": after.spec_decode_num_draft_tokens
             - before.spec_decode_num_draft_tokens,
-            "kept": after.spec_decode_num_accepted_tokens - before.spec_decode_num_accepted_tokens}
+            "kept": after.spec_decode_num_accepted_tokens - before.spec_decode_num_accepted_tokens,
+            "calls": calls}
 
 
 def oracle_run(llm, prompts, plain_tokens, alpha: float, vocab: int,  # type: ignore[no-untyped-def]
@@ -204,6 +217,8 @@ def run_speculative(args: argparse.Namespace) -> int:
                           "kept_per_position": run["kept_per_position"][:k],
                           "rounds": run["rounds"], "fixed_point": run["fixed_point"],
                           "fitted_costs_ms": fitted_costs_ms(llm),
+                          # decode calls: steps, tokens, draft steps, draft tokens, ms
+                          "calls": run["calls"],
                           "rows_equal_to_plain": sum(x == len(t) for x, t in
                                                      zip(left, run["tokens"], strict=True)),
                           "first_difference": left}
