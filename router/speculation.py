@@ -3,29 +3,33 @@
 Every cost is measured, from the engine's own calls (``StepCosts``, least squares with
 exponential forgetting):
 
-    seconds of a call  ~  a * steps + b * tokens + g * draft_steps + h * draft_tokens
+    seconds of a call  ~  a * steps + b * tokens + c * verifies + g * draft_steps
+                          + h * draft_tokens
 
-``a`` and ``b``: the target's step, weight-bound and per token; ``g`` and ``h``: a draft
-model's, per draft step (each of a step's k draft forwards reads the draft's weights) and per
-draft token; plus ``p``, the proposer's own host time for each sequence it is asked about
-(prompt lookup's search; a draft model's is in ``g`` and ``h``).
+``a`` and ``b``: the target's step, weight-bound and per token; ``c``: what a call that
+verifies drafts costs for being one (a single step where plain decoding runs several a call;
+a draft model's catch-up forward); ``g`` and ``h``: a draft model's, per draft step (each of
+a step's k draft forwards reads the draft's weights) and per draft token; plus ``p``, the
+proposer's own host time for each sequence it is asked about (prompt lookup's search; a draft
+model's is in ``c``, ``g`` and ``h``).
 
 A plain step of B decodes makes B tokens in ``a + b * B``. Drafts change that to
 ``B + sum_i sum_{j<=k_i} alpha_i^j`` expected tokens (``alpha_i``: sequence i's measured
 acceptance; its j-th draft counts only when every one before it is accepted) in
-``a + b * (B + D) + g * K + h * D + p * asked`` (D drafts in all, K the longest row's).
+``a + b * (B + D) + c + g * K + h * D + p * asked`` (D drafts in all, K the longest row's).
 ``choose`` picks the k_i that maximise that rate, or none: each sequence's j-th draft must
 beat the plain rate on its own (``alpha^j >= (b + h) * rate``), then the step's longest
-length K is chosen by the rate of the whole step, so a draft model's per-step cost is paid
-only when the expected tokens cover it. A small batch on a GPU is weight-bound (``a``
-dominates) and drafts pay while they are likely to be accepted; a large batch, or the CPU,
-is compute-bound and speculation turns itself off. A sequence that drafts nothing for a while
+length K is chosen by the rate of the whole step, so a verify call's own cost and a draft
+model's per-step cost are paid only when the expected tokens cover them. A small batch on a
+GPU is weight-bound (``a`` dominates) and drafts pay while they are likely to be accepted; a
+large batch, or the CPU, is compute-bound and speculation turns itself off. A sequence that drafts nothing for a while
 is tried again with one draft, after 16 steps, then 32, ... (``RETRY_AFTER``): an unrelated
 draft model costs almost nothing once it has been found out.
 """
 
 import itertools
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
@@ -37,42 +41,54 @@ RCOND = 1e-12  # numerical noise of the solve, not a choice
 RIDGE = 1e-9  # what the calls leave open goes to the step (``_least_squares``)
 
 
+class Costs(NamedTuple):
+    """Seconds: a target step, a target token, a verify call, a draft step, a draft token."""
+
+    a: float
+    b: float
+    c: float
+    g: float
+    h: float
+
+
+FEATURES = len(Costs._fields)
+
+
 @dataclass
 class StepCosts:
-    """seconds ~ features . (a, b, g, h), by least squares over recent calls, none below 0.
-    Features that move together (at batch 1 a plain call's tokens are its steps; a draft's
+    """seconds ~ features . (a, b, c, g, h), by least squares over recent calls, none below
+    0. Features that move together (at batch 1 a plain call's tokens are its steps; a draft's
     steps are its tokens) are parted in favour of the step ``a``: what a decision reads of
     them, the time of the calls it compares, is still what was measured."""
 
     forget: float = 0.98
-    xtx: np.ndarray = field(default_factory=lambda: np.zeros((4, 4)))
-    xty: np.ndarray = field(default_factory=lambda: np.zeros(4))
+    xtx: np.ndarray = field(default_factory=lambda: np.zeros((FEATURES, FEATURES)))
+    xty: np.ndarray = field(default_factory=lambda: np.zeros(FEATURES))
     calls: float = 0.0
 
-    def add(self, seconds: float, steps: int, tokens: int, draft_steps: int = 0,
-            draft_tokens: int = 0) -> None:
-        x = np.array([steps, tokens, draft_steps, draft_tokens], dtype=np.float64)
+    def add(self, seconds: float, steps: int, tokens: int, verifies: int = 0,
+            draft_steps: int = 0, draft_tokens: int = 0) -> None:
+        x = np.array([steps, tokens, verifies, draft_steps, draft_tokens], dtype=np.float64)
         self.xtx = self.xtx * self.forget + np.outer(x, x)
         self.xty = self.xty * self.forget + x * seconds
         self.calls = self.calls * self.forget + 1
 
-    def fit(self) -> tuple[float, float, float, float] | None:
-        """(a, b, g, h), each at least 0, or None before two calls were seen: the best fit
-        with no negative cost (a negative one clamped afterwards would break the fit of the
-        calls that set it)."""
+    def fit(self) -> Costs | None:
+        """(a, b, c, g, h), each at least 0, or None before two calls were seen: the best
+        fit with no negative cost (a negative one clamped afterwards would break the fit of
+        the calls that set it)."""
         if self.calls < 2:
             return None
         scale = np.sqrt(np.maximum(np.diag(self.xtx), 1e-30))  # columns of like size
         gram = self.xtx / np.outer(scale, scale)
         target = self.xty / scale
-        theta = _least_squares(gram, target, range(4))
+        theta = _least_squares(gram, target, range(FEATURES))
         if np.any(theta < 0):
-            fits = [_least_squares(gram, target, free)
-                    for size in range(1, 4) for free in itertools.combinations(range(4), size)]
+            fits = [_least_squares(gram, target, free) for size in range(1, FEATURES)
+                    for free in itertools.combinations(range(FEATURES), size)]
             theta = min((t for t in fits if np.all(t >= 0)), key=lambda t: _loss(gram, target, t),
-                        default=np.zeros(4))
-        a, b, g, h = (float(value) for value in theta / scale)
-        return a, b, g, h
+                        default=np.zeros(FEATURES))
+        return Costs(*(float(value) for value in theta / scale))
 
 
 def _least_squares(gram: np.ndarray, target: np.ndarray, free) -> np.ndarray:  # type: ignore[no-untyped-def]
@@ -81,8 +97,8 @@ def _least_squares(gram: np.ndarray, target: np.ndarray, free) -> np.ndarray:  #
     its steps, so only their sum is known, and calling it all the step's keeps a draft's
     price, its extra tokens, at what the verify calls measured)."""
     free = list(free)
-    ridge = RIDGE * np.diag([0.0, 1.0, 1.0, 1.0])[np.ix_(free, free)]
-    theta = np.zeros(4)
+    ridge = RIDGE * np.diag([0.0] + [1.0] * (FEATURES - 1))[np.ix_(free, free)]
+    theta = np.zeros(FEATURES)
     theta[free] = np.linalg.lstsq(gram[np.ix_(free, free)] + ridge, target[free],
                                   rcond=RCOND)[0]
     return theta
@@ -132,8 +148,8 @@ class DraftLength:
         return chosen
 
     def _best_lengths(self, seqs: list[Acceptance], batch_size: int,
-                      fitted: tuple[float, float, float, float]) -> list[int]:
-        a, b, g, h = fitted
+                      fitted: Costs) -> list[int]:
+        a, b, c, g, h = fitted
         p = self.proposer_seconds
         plain_time = a + b * batch_size
         if plain_time <= 0:
@@ -156,7 +172,7 @@ class DraftLength:
                        for seq, k in zip(seqs, lengths, strict=True))
             drafts = sum(lengths)
             asked = sum(1 for k in lengths if k)
-            time = plain_time + per_draft * drafts + g * cap + p * asked
+            time = plain_time + c + per_draft * drafts + g * cap + p * asked
             rate = (batch_size + gain) / time
             if rate > best_rate:
                 best_rate, best_cap = rate, cap

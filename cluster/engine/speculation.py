@@ -168,8 +168,9 @@ class Speculator:
             return
         num_steps = output.num_steps
         num_tokens = sum(item.num_new_tokens for item in output.scheduled)
-        self.lengths.costs.add(seconds, num_steps, num_tokens * num_steps, draft_steps,
-                               draft_tokens)
+        verifies = int(any(item.num_drafts for item in output.scheduled))
+        self.lengths.costs.add(seconds, num_steps, num_tokens * num_steps, verifies,
+                               draft_steps, draft_tokens)
         self._time_against_plain(output, sampled, seconds)
 
     def _time_against_plain(self, output: SchedulerOutput,
@@ -179,7 +180,7 @@ class Speculator:
         fitted = self.lengths.costs.fit()
         if fitted is None or not any(item.num_drafts for item in output.scheduled):
             return
-        a, b, _, _ = fitted
+        a, b = fitted.a, fitted.b
         batch = len(output.scheduled)
         made = sum(len(sampled.get(item.seq.request_id, ())) for item in output.scheduled)
         self.metrics.spec_decode_plain_seconds += made * (a + b * batch) / batch
