@@ -22,9 +22,9 @@ beat the plain rate on its own (``alpha^j >= (b + h) * rate``), then the step's 
 length K is chosen by the rate of the whole step, so a verify call's own cost and a draft
 model's per-step cost are paid only when the expected tokens cover them. A small batch on a
 GPU is weight-bound (``a`` dominates) and drafts pay while they are likely to be accepted; a
-large batch, or the CPU, is compute-bound and speculation turns itself off. A sequence that drafts nothing for a while
-is tried again with one draft, after 16 steps, then 32, ... (``RETRY_AFTER``): an unrelated
-draft model costs almost nothing once it has been found out.
+large batch, or the CPU, is compute-bound and speculation turns itself off. A sequence that
+drafts nothing for a while is tried again with one draft, after 16 steps, then 32, ...
+(``RETRY_AFTER``): an unrelated draft model costs almost nothing once it has been found out.
 """
 
 import itertools
