@@ -25,6 +25,7 @@ from workers.input_batch import (
 )
 from workers.kv_cache import KVCaches, allocate_kv_caches, kv_bytes_per_block, resolve_kv_format
 from workers.kv_offload import KVOffloader
+from workers.layers.batch_invariant import make_batch_invariant, needed_for
 from workers.layers.parallel import TensorParallelGroup
 from workers.loader import load_model
 from workers.model_config import ModelConfig
@@ -58,6 +59,8 @@ class Worker:
             config.model_path, self.dtype, self.device, self.tp, backend,
             config=read,  # type: ignore[arg-type]
         )
+        if needed_for(self.device, self.kv_format.quantized):
+            make_batch_invariant(self.model)
         generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.sampler = Sampler(generator)
         self.states: dict[str, RequestState] = {}

@@ -78,13 +78,17 @@ def attend_one(
     block_table: torch.Tensor,
     seq_len: int,
     scale: float,
+    rows_alone: bool = False,
 ) -> torch.Tensor:
-    """One sequence's new tokens over its seq_len tokens of context: (q_len, heads, hd)."""
+    """One sequence's new tokens over its seq_len tokens of context: (q_len, heads, hd).
+    ``rows_alone``: each token as a decode row over the keys up to it (``attend_rows_alone``)."""
     q_len = q.shape[0]
     qi = q.transpose(0, 1)[None]  # (1, heads, q_len, hd)
     k = read_context(cache.k, cache.k_scale, block_table, seq_len, q.dtype)
     v = read_context(cache.v, cache.v_scale, block_table, seq_len, q.dtype)
     ki, vi = k.transpose(0, 1)[None], v.transpose(0, 1)[None]  # (1, kv_heads, L, hd)
+    if rows_alone and q_len > 1:
+        return attend_rows_alone(qi, ki, vi, scale)
     mask = None
     if 1 < q_len < seq_len:  # query j sits at position seq_len - q_len + j, sees keys <= it
         q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
@@ -96,6 +100,22 @@ def attend_one(
     return out[0].transpose(0, 1)
 
 
+def attend_rows_alone(qi: torch.Tensor, ki: torch.Tensor, vi: torch.Tensor,
+                      scale: float) -> torch.Tensor:
+    """(1, heads, q_len, hd) over (1, kv_heads, L, hd) -> (q_len, heads, hd), each query the
+    call a decode row makes (one query, its keys, no mask), so its bits are a decode's: SDPA's
+    causal, masked and one-query paths round differently, and a quantized cache turns that
+    into a different stored key (workers/layers/batch_invariant.py)."""
+    q_len, seq_len = qi.shape[2], ki.shape[2]
+    rows = []
+    for j in range(q_len):
+        end = seq_len - q_len + j + 1  # query j sees the keys up to its own position
+        rows.append(F.scaled_dot_product_attention(
+            qi[:, :, j : j + 1], ki[:, :, :end], vi[:, :, :end], scale=scale,
+            enable_gqa=qi.shape[1] != ki.shape[1]))
+    return torch.cat(rows, dim=2)[0].transpose(0, 1)
+
+
 def paged_attention(
     q: torch.Tensor,  # (T, heads, head_dim)
     k_cache: torch.Tensor,
@@ -104,6 +124,7 @@ def paged_attention(
     scale: float,
     k_scale: torch.Tensor | None = None,  # (num_blocks, block_size, kv_heads), quantized only
     v_scale: torch.Tensor | None = None,
+    rows_alone: bool = False,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its whole cached context."""
     cache = LayerKVCache(k_cache, v_cache, k_scale, v_scale)
@@ -112,16 +133,18 @@ def paged_attention(
     lengths = zip(meta.query_lens_cpu, meta.seq_lens_cpu, strict=True)
     for i, (q_len, seq_len) in enumerate(lengths):
         out[start : start + q_len] = attend_one(
-            q[start : start + q_len], cache, meta.block_tables[i], seq_len, scale
+            q[start : start + q_len], cache, meta.block_tables[i], seq_len, scale, rows_alone
         )
         start += q_len
     return out
 
 
 class ReferenceAttentionBackend:
-    """Writes the new K/V into the paged cache, then attends with plain PyTorch."""
+    """Writes the new K/V into the paged cache, then attends with plain PyTorch. With
+    ``rows_alone`` every token attends as a decode row would (``attend_rows_alone``)."""
 
     name = "reference"
+    rows_alone = False
 
     def forward(
         self,
@@ -137,4 +160,5 @@ class ReferenceAttentionBackend:
 
     def attend(self, q, cache: LayerKVCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """Attention over the cache, which already holds this step's K and V."""
-        return paged_attention(q, cache.k, cache.v, meta, scale, cache.k_scale, cache.v_scale)
+        return paged_attention(q, cache.k, cache.v, meta, scale, cache.k_scale, cache.v_scale,
+                               self.rows_alone)

@@ -19,6 +19,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from workers.layers.batch_invariant import invariant_linear
 from workers.layers.linear import copy_shard
 from workers.layers.parallel import TensorParallelGroup
 
@@ -75,8 +76,11 @@ class ParallelLMHead(VocabParallelEmbedding):
     the same padding and sharding, so the shared tensor is right for both.
     """
 
+    batch_invariant = False  # workers/layers/batch_invariant.py
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        local_logits = F.linear(hidden, self.weight)  # (N, V_local)
+        product = invariant_linear if self.batch_invariant else F.linear
+        local_logits = product(hidden, self.weight)  # (N, V_local)
         logits = self.tp.all_gather(local_logits, dim=-1)  # (N, V_padded)
         return logits[..., : self.vocab_size]
 

@@ -13,6 +13,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from workers.layers.batch_invariant import invariant_linear
 from workers.layers.parallel import TensorParallelGroup
 
 
@@ -36,9 +37,12 @@ class ShardedLinear(nn.Module):
 
     With ``gemv_for_one_row`` (set by models built with the fused kernels) an input of one row
     goes through the Triton matrix-vector kernel (workers/layers/gemv.py) instead of cuBLAS.
+    With ``batch_invariant`` every product is taken in tiles whose rows' bits do not depend on
+    the call's other rows (workers/layers/batch_invariant.py).
     """
 
     gemv_for_one_row = False
+    batch_invariant = False
 
     def __init__(self, in_local: int, out_local: int, bias: bool, tp: TensorParallelGroup):
         super().__init__()
@@ -59,6 +63,8 @@ class ShardedLinear(nn.Module):
         return self.matmul(x, self.bias)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.batch_invariant:
+            return invariant_linear(x, self.weight, bias)
         if self.gemv_for_one_row and x.shape[0] == 1:
             # imported here: models built without the fused kernels must not need Triton
             from workers.layers.gemv import gemv
@@ -168,6 +174,6 @@ class RowParallelLinear(ShardedLinear):
         """residual += self(x), in place (residual: the decoder's residual stream, (T, out)).
         On one rank without a bias it is one GEMM that reads residual as its C operand (one
         rounding, where the separate add rounds twice); otherwise the output is added after."""
-        if self.tp.size == 1 and self.bias is None:
+        if self.tp.size == 1 and self.bias is None and not self.batch_invariant:
             return residual.addmm_(x, self.weight.t())
         return residual.add_(self(x))
