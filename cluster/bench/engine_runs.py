@@ -14,15 +14,16 @@ from router.sampling_params import SamplingParams
 
 
 def percentiles(values: list[float]) -> dict:
-    """p50, p99 and mean (nearest-rank percentiles)."""
+    """p50, p90, p99 and mean (nearest-rank percentiles)."""
     if not values:
-        return {"p50": None, "p99": None, "mean": None}
+        return {"p50": None, "p90": None, "p99": None, "mean": None}
     ordered = sorted(values)
 
     def rank(q: float) -> float:
         return ordered[min(len(ordered) - 1, max(0, round(q * len(ordered) + 0.5) - 1))]
 
-    return {"p50": rank(0.50), "p99": rank(0.99), "mean": sum(ordered) / len(ordered)}
+    return {"p50": rank(0.50), "p90": rank(0.90), "p99": rank(0.99),
+            "mean": sum(ordered) / len(ordered)}
 
 
 def make_llm(folder, **engine_args) -> LLM:

@@ -24,7 +24,7 @@ def pyplot():  # type: ignore[no-untyped-def]
 
 def x_axis(loads: list[dict]) -> tuple[str, list[str]]:
     """The axis title and one tick label a load: whichever of rate and cap the loads vary."""
-    rates = [str(load["request_rate"]) for load in loads]
+    rates = [rate_label(load["request_rate"]) for load in loads]
     caps = [str(load["max_concurrency"]) for load in loads]
     rates_vary, caps_vary = len(set(rates)) > 1, len(set(caps)) > 1
     if rates_vary and caps_vary:
@@ -33,6 +33,11 @@ def x_axis(loads: list[dict]) -> tuple[str, list[str]]:
     if rates_vary or (not caps_vary and caps[0] == "None"):
         return "request rate (req/s)", rates
     return "max concurrency", caps
+
+
+def rate_label(rate: float | str) -> str:
+    """'inf' as it is, a rate in 3 significant digits (a sweep's bisections make long ones)."""
+    return rate if isinstance(rate, str) else f"{rate:.3g}"
 
 
 def plot_loads(path: str, series: dict[str, dict[str, dict]]) -> None:

@@ -4,8 +4,11 @@ A load is fixed concurrency (C requests always in flight), Poisson arrivals (rat
 (arrivals at r/s, at most C in flight: vLLM's --request-rate with --max-concurrency). Each
 request streams; we time the first token (TTFT), every later chunk (ITL), the end (e2e), and
 TPOT = (e2e - TTFT) / (output tokens - 1). Goodput counts requests per second that meet
-TTFT < 200 ms and TPOT < 20 ms. The in-process run drives ``TandemCluster`` directly, the HTTP
-run goes through Ray Serve and the OpenAI API: their ratio is the cost of serving.
+``--goodput`` (vLLM's flag; TTFT < 200 ms and TPOT < 20 ms by default). Beside the loads, the
+load's capacity bound on this machine, and with ``--find-slo-rate`` the highest Poisson rate
+each path serves within ``--slo`` (cluster/bench/serve_slo.py). The in-process run drives
+``TandemCluster`` directly, the HTTP run goes through Ray Serve and the OpenAI API: their
+ratio is the cost of serving.
 
 With ``--base-url`` nothing starts here: the HTTP run alone goes to that OpenAI-compatible
 server (tandem, vLLM, SGLang). The flags and the result keys are vLLM's `vllm bench serve`'s
@@ -20,7 +23,22 @@ from pathlib import Path
 
 from cluster import environment
 from cluster.bench.http_clients import ClientError, HttpClients, httpx_module
-from cluster.bench.serve_load import SAFE_VOCAB, Load, in_process_sender, run_loads
+from cluster.bench.serve_load import (
+    SAFE_VOCAB,
+    Load,
+    Send,
+    goodput_slo,
+    in_process_sender,
+    run_load,
+    run_loads,
+)
+from cluster.bench.serve_slo import (
+    add_slo_arguments,
+    check_slo_arguments,
+    measure_bound,
+    slo_table,
+    sweep,
+)
 from cluster.bench.vllm_results import result_file_name
 from cluster.cli.serve_ports import ServePorts, serve_ports
 
@@ -40,6 +58,7 @@ def add_serve_bench_parser(workloads: argparse._SubParsersAction) -> None:
     add_load_arguments(parser)
     add_target_arguments(parser)
     add_result_arguments(parser)
+    add_slo_arguments(parser.add_argument_group("goodput, the SLO and the sweep"))
     add_local_arguments(parser.add_argument_group("the local cluster (without --base-url)"))
     parser.set_defaults(handler=serve_bench)
 
@@ -141,6 +160,7 @@ def parse_loads(args: argparse.Namespace) -> list[Load]:
 
 def serve_bench(args: argparse.Namespace) -> int:
     loads = parse_loads(args)
+    check_slo_arguments(args)
     if args.plot:
         from cluster.bench.plots import pyplot
 
@@ -200,11 +220,16 @@ async def _serve_bench(args: argparse.Namespace, loads: list[Load], config,  # t
     from cluster.serve.app import server_app
     from workers.loader import load_config as load_hf_config
 
+    bound = await asyncio.to_thread(measure_bound, args, config)
     ray.init(include_dashboard=False, ignore_reinit_error=True)
     print("in-process: TandemCluster.generate, no HTTP")
     cluster = await asyncio.to_thread(TandemCluster, config.engine_config(), config.num_replicas)
     vocab = min(load_hf_config(cluster.model_path).vocab_size, SAFE_VOCAB)
-    in_process = await run_loads(in_process_sender(cluster), args, loads, vocab)
+    send = in_process_sender(cluster)
+    in_process = await run_loads(send, args, loads, vocab)
+    sweeps = {}
+    if args.find_slo_rate:
+        sweeps["in-process"] = await sweep("in-process", args, vocab, bound, runner_of(send))
     await asyncio.to_thread(cluster.shutdown)
 
     urls = [f"http://127.0.0.1:{port}" for port in ports.http]
@@ -216,17 +241,19 @@ async def _serve_bench(args: argparse.Namespace, loads: list[Load], config,  # t
     clients = await asyncio.to_thread(HttpClients, urls, config.model_name, processes)
     try:
         http = await run_loads(None, args, loads, vocab, runner=clients.run)
+        if args.find_slo_rate:
+            sweeps["http"] = await sweep("http", args, vocab, bound, clients.run)
     finally:
         clients.close()
     record = {"workload": "serve", "config": vars(args) | {"handler": None},
               "environment": machine_facts(_device(config.engine_config().resolved_device)),
               "http_ports": list(ports.http), "client_processes": processes,
-              "in_process": in_process, "http": http}
+              "in_process": in_process, "http": http, "bound": bound, "slo_sweeps": sweeps}
     paths = {"in-process": in_process, "http": http}
-    published = publish(record, table(loads, paths),
+    published = publish(record, tables(loads, paths, args, bound, sweeps),
                         result_path(args, "tandem", config.model_name, http))
     if args.plot:
-        write_plot(args.plot, paths)
+        write_plot(args.plot, paths, sweeps)
     serve.shutdown()  # after the figures are out: it can take Serve tens of seconds
     return 0 if published else 1
 
@@ -248,17 +275,20 @@ async def _bench_base_url(args: argparse.Namespace, loads: list[Load]) -> int:
         print(f"http: {base_url}/v1/completions, model {model}, streaming, from {processes} "
               "client process(es)")
         clients = await asyncio.to_thread(HttpClients, [base_url], model, processes, headers)
+        sweeps = {}
         try:
             http = await run_loads(None, args, loads, SAFE_VOCAB, runner=clients.run)
+            if args.find_slo_rate:
+                sweeps["http"] = await sweep("http", args, SAFE_VOCAB, None, clients.run)
         finally:
             clients.close()
     except (httpx.HTTPError, ClientError) as error:
         raise ValueError(f"--base-url {base_url}: {one_line(error)}") from None
-    record = base_url_record(args, base_url, model, http)
-    published = publish(record, table(loads, {"http": http}),
+    record = base_url_record(args, base_url, model, http) | {"slo_sweeps": sweeps}
+    published = publish(record, tables(loads, {"http": http}, args, None, sweeps),
                         result_path(args, "openai", model, http))
     if args.plot:
-        write_plot(args.plot, {model: http})
+        write_plot(args.plot, {model: http}, {model: sweeps["http"]} if sweeps else {})
     return 0 if published else 1
 
 
@@ -302,11 +332,43 @@ def result_path(args: argparse.Namespace, label: str, model: str,
     return str(Path(args.result_dir or ".") / name)
 
 
-def write_plot(path: str, series: dict[str, dict[str, dict]]) -> None:
+def runner_of(send: Send):  # type: ignore[no-untyped-def]
+    """A load runner over one sender in this process."""
+
+    async def run(prompts: list[list[int]], output_len: int, load: Load, seed: int):  # type: ignore[no-untyped-def]
+        return await run_load(send, prompts, output_len, load, seed)
+
+    return run
+
+
+def write_plot(path: str, series: dict[str, dict[str, dict]],
+               sweeps: dict[str, dict] | None = None) -> None:
+    """The loads to ``path``; a sweep's probes, by rate, to <path>-slo-rate.png beside it."""
     from cluster.bench.plots import plot_loads
 
     plot_loads(path, series)
     print(f"wrote {path}")
+    if sweeps:
+        by_rate = {name: {f"{p['rate']:.4g} req/s": p["result"]
+                          for p in sorted(found["probes"], key=lambda p: p["rate"])}
+                   for name, found in sweeps.items()}
+        # each path probed its own rates: one figure a path
+        for name, probes in by_rate.items():
+            sweep_path = str(Path(path).with_suffix("")) + f"-slo-rate-{name}.png"
+            plot_loads(sweep_path, {name: probes})
+            print(f"wrote {sweep_path}")
+
+
+def tables(loads: list[Load], paths: dict[str, dict], args: argparse.Namespace,
+           bound: dict | None, sweeps: dict[str, dict]) -> str:
+    """The loads' table; the bound and the sweep's beneath."""
+    text = table(loads, paths, goodput_slo(args).text)
+    if bound:
+        text += (f"\n\nbound of the load: {bound['requests_per_s']:.1f} req/s, "
+                 f"{bound['output_tokens_per_s']:.0f} output tok/s")
+    if sweeps:
+        text += "\n\n" + slo_table(bound, sweeps)
+    return text
 
 
 def _device(name: str):  # type: ignore[no-untyped-def]
@@ -315,13 +377,14 @@ def _device(name: str):  # type: ignore[no-untyped-def]
     return torch.device(name)
 
 
-def table(loads: list[Load], paths: dict[str, dict]) -> str:
+def table(loads: list[Load], paths: dict[str, dict], goodput_text: str) -> str:
     """A row a load and path; with two paths, the second's throughput as a share of the first's
     (HTTP / in-process: the cost of serving)."""
     from cluster.bench.report import markdown_table
 
     header = ["load", "path", "out tok/s", "HTTP / in-proc", "TTFT p50/p99 ms",
-              "TPOT p50/p99 ms", "ITL p50/p99 ms", "e2e p50/p99 s", "goodput req/s"]
+              "TPOT p50/p99 ms", "ITL p50/p99 ms", "e2e p50/p99 s",
+              f"goodput req/s ({goodput_text})"]
 
     def ms(stats: dict) -> str:
         return "—" if stats["p50"] is None else f"{stats['p50']*1e3:.1f} / {stats['p99']*1e3:.1f}"

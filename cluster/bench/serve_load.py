@@ -11,10 +11,10 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
+from cluster.bench.slo import DEFAULT_GOODPUT, Slo, goodput, parse_slo
 from cluster.bench.timing import Timing
 from cluster.bench.vllm_results import traffic_keys, vllm_metrics
 
-SLO_TTFT_S, SLO_TPOT_S = 0.200, 0.020
 # Random prompt token ids stay below this: every real vocabulary is bigger, so the prompts are
 # valid for a server whose model we don't know (--base-url); locally, min(vocab, this).
 SAFE_VOCAB = 10000
@@ -72,24 +72,32 @@ async def run_load(send: Send, prompts: list[list[int]], output_len: int, load: 
     return list(timings), time.perf_counter() - start
 
 
-def summarize(timings: list[Timing], seconds: float, input_lens: list[int], load: Load) -> dict:
+def goodput_slo(args: argparse.Namespace) -> Slo:
+    """--goodput's limits (vLLM's spelling), 200 ms TTFT and 20 ms TPOT when not given."""
+    return parse_slo(getattr(args, "goodput", None) or DEFAULT_GOODPUT, "--goodput")
+
+
+def summarize(timings: list[Timing], seconds: float, input_lens: list[int], load: Load,
+              slo: Slo) -> dict:
     """vLLM's keys (cluster/bench/vllm_results.py), and beside them tandem's own."""
     return (vllm_metrics(timings, seconds, input_lens)
-            | traffic_keys(load.concurrency, load.rate) | tandem_summary(timings, seconds))
+            | traffic_keys(load.concurrency, load.rate) | tandem_summary(timings, seconds, slo))
 
 
-def tandem_summary(timings: list[Timing], seconds: float) -> dict:
-    """Nearest-rank percentiles in seconds, and goodput at the SLO above."""
+def tandem_summary(timings: list[Timing], seconds: float, slo: Slo) -> dict:
+    """Nearest-rank percentiles in seconds, and goodput at ``slo`` (vLLM's
+    ``request_goodput`` too)."""
     from cluster.bench.engine_runs import percentiles
 
     finished = [t for t in timings if t.chunk_times]
     tpots = [t.tpot for t in finished if t.tpot is not None]
-    good = [t for t in finished if t.ttft < SLO_TTFT_S and (t.tpot or 0.0) < SLO_TPOT_S]
     output_tokens = sum(t.output_tokens for t in timings)
+    good = goodput(timings, seconds, slo)
     return {
-        "requests": len(timings), "seconds": seconds, "output_tokens": output_tokens,
-        "output_tokens_per_s": output_tokens / seconds, "requests_per_s": len(timings) / seconds,
-        "goodput_requests_per_s": len(good) / seconds,
+        "requests": len(timings), "finished": len(finished), "seconds": seconds,
+        "output_tokens": output_tokens, "output_tokens_per_s": output_tokens / seconds,
+        "requests_per_s": len(timings) / seconds,
+        "goodput_requests_per_s": good, "request_goodput": good, "goodput_slo": slo.text,
         "ttft_s": percentiles([t.ttft for t in finished]), "tpot_s": percentiles(tpots),
         "itl_s": percentiles([x for t in finished for x in t.itls]),
         "e2e_s": percentiles([t.end - t.start for t in finished]),
@@ -188,7 +196,7 @@ async def run_loads(send: Send | None, args: argparse.Namespace, loads: list[Loa
         prompts = make_prompts(count, args.input_len, vocab, seed=args.seed + index)
         meter = CpuMeter()
         timings, seconds = await runner(prompts, args.output_len, load, args.seed)
-        result = summarize(timings, seconds, [len(p) for p in prompts], load)
+        result = summarize(timings, seconds, [len(p) for p in prompts], load, goodput_slo(args))
         cores = meter.shares()
         results[load.name] = result | {"cpu_cores": cores}
         busiest = ", ".join(f"{name} {share:.2f}" for name, share in list(cores.items())[:6])

@@ -4,7 +4,14 @@ step's rate."""
 
 import pytest
 
-from router.speculation import PRIOR_ALPHA, RETRY_AFTER, Acceptance, DraftLength, StepCosts
+from router.speculation import (
+    ALPHA_MEMORY,
+    PRIOR_ALPHA,
+    RETRY_AFTER,
+    Acceptance,
+    DraftLength,
+    StepCosts,
+)
 
 
 def fitted(a: float, b: float, g: float = 0.0, h: float = 0.0) -> StepCosts:
@@ -103,7 +110,7 @@ def test_a_draft_model_s_own_cost_is_in_the_decision():
     # at acceptance 0.2 the draft's step costs more than it brings: off
     for _ in range(4):
         lengths.record("a", num_drafts=1, num_accepted=0)
-    assert lengths.seqs["a"].alpha == pytest.approx(PRIOR_ALPHA * 0.8 ** 4)
+    assert lengths.seqs["a"].alpha == pytest.approx(PRIOR_ALPHA * ALPHA_MEMORY ** 4)
     assert lengths.choose(["a"], batch_size=1) == {"a": 0}
 
 
@@ -116,7 +123,7 @@ def test_the_proposer_s_host_time_is_in_the_decision():
 
 def test_acceptance_is_learnt_per_sequence_and_a_low_one_stops_drafting_for_longer_each_try():
     lengths = DraftLength(max_drafts=4, costs=fitted(0.010, 0.0001))
-    for _ in range(20):
+    for _ in range(50):
         lengths.record("bad", num_drafts=4, num_accepted=0)  # one try a step: the first
         lengths.record("good", num_drafts=4, num_accepted=4)  # four right
     assert lengths.seqs["bad"].alpha < 0.01 and lengths.seqs["good"].alpha > 0.99
@@ -141,4 +148,5 @@ def test_a_fixed_length_when_not_adaptive_and_the_most_before_any_call():
     assert fresh.choose(["a"], 64) == {"a": 3}  # nothing measured: try, and measure
     assert fresh.seqs["a"].alpha == PRIOR_ALPHA
     fresh.record("a", num_drafts=3, num_accepted=1)  # kept 1, the 2nd rejected, the 3rd untried
-    assert fresh.seqs["a"].alpha == pytest.approx((0.8 * PRIOR_ALPHA + 0.2) * 0.8)
+    memory = ALPHA_MEMORY
+    assert fresh.seqs["a"].alpha == pytest.approx((memory * PRIOR_ALPHA + 1 - memory) * memory)

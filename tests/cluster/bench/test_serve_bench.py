@@ -243,9 +243,12 @@ def test_the_plots_x_axis_is_what_the_loads_vary():
     rates = [load_result(1, 1, 1, None, r) for r in (1.0, "inf")]
     both = [load_result(1, 1, 1, 2, 1.0), load_result(1, 1, 1, 8, 4.0)]
     assert plots.x_axis(caps) == ("max concurrency", ["1", "8"])
-    assert plots.x_axis(rates) == ("request rate (req/s)", ["1.0", "inf"])
-    assert plots.x_axis(rates[:1]) == ("request rate (req/s)", ["1.0"])
-    assert plots.x_axis(both) == ("request rate (req/s), max concurrency", ["1.0, 2", "4.0, 8"])
+    assert plots.x_axis(rates) == ("request rate (req/s)", ["1", "inf"])
+    assert plots.x_axis(rates[:1]) == ("request rate (req/s)", ["1"])
+    assert plots.x_axis(both) == ("request rate (req/s), max concurrency", ["1, 2", "4, 8"])
+    sweep = [{"request_rate": 11.71875, "max_concurrency": None},
+             {"request_rate": 5.862903, "max_concurrency": None}]
+    assert plots.x_axis(sweep) == ("request rate (req/s)", ["11.7", "5.86"])
 
 
 def test_plot_without_matplotlib_says_how_to_install_it(monkeypatch):
