@@ -295,24 +295,31 @@ class TierManager:
 
     def take(self, pool: BlockPool) -> KVTransfers | None:
         """The copies the next step carries: the loads planned since the last one, plus the
-        write-through of the blocks cached since (a slot each, evicting to disk as needed)."""
+        write-through of the blocks cached since (a slot each, evicting to disk as needed).
+        Blocks that find no slot (every one pinned by this step's own stores and loads: a
+        host tier smaller than a step's write-through) wait for the next step while the
+        device still holds them, so each passes through to the host tier and on to disk."""
         allocated: list[BlockHash] = []
+        waiting: dict[BlockHash, _Pending] = {}
         for block_hash, pending in self.pending.items():
             if block_hash in self.host:
                 continue
+            # the block may have been handed out again in this step: it still holds its KV
+            # until this step's forward, so it is copied before that (a block that waits was
+            # intact when the last message went, so it was handed out in this step or not)
+            intact = pool.blocks[pending.block_id].block_hash == block_hash
             got = self.host.allocate(block_hash, pending.token_ids, pinned=True)
             if got is None:
-                continue  # every slot is pinned by loads: this block is not written through
+                if intact:  # the next step's message writes it; else its KV is gone
+                    waiting[block_hash] = pending
+                continue
             slot, evicted = got
             allocated.append(block_hash)
             self._demote(evicted)
             store = (pending.block_id, slot)
-            # the block may have been handed out again in this step: it still holds its KV
-            # until this step's forward, so it is copied before that
-            intact = pool.blocks[pending.block_id].block_hash == block_hash
             (self.plan.stores if intact else self.plan.stores_first).append(store)
         self.counters.stored_to_host += len(allocated)
-        self.pending.clear()
+        self.pending = waiting
         # pinned while planning so that one step never evicts what it also writes
         for block_hash in allocated:
             self.host.unpin(block_hash)

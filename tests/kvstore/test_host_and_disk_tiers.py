@@ -250,3 +250,44 @@ def test_a_demoted_block_evicted_from_disk_is_deleted_by_the_next_step_message(t
     assert [w.block_hash for w in plan.to_disk] == [blocks["b"]]
     assert plan.disk_deletes == [blocks["a"]]
     kv.check_integrity()
+
+
+def test_a_host_tier_smaller_than_a_step_s_write_through_passes_every_block_to_disk(tmp_path):
+    # one prompt of 7 full blocks cached in one step, a host tier of 2 slots: the step writes
+    # 2 through; the other 5 wait on the device for the next steps, each of which evicts the
+    # last one's 2 to disk as it writes 2 more
+    tiers = TierManager(HostTier(2), DiskTier(tmp_path, LAYOUT, capacity=16), block_size=2)
+    kv = KVCacheManager(num_blocks=16, block_size=2, tiers=tiers)
+    tokens = list(range(1, 16))  # 7 full blocks and one token
+    hits, num_cached = kv.get_computed_blocks("a", tokens)
+    kv.allocate_slots("a", num_cached, len(tokens) - num_cached, hits)
+    kv.cache_blocks("a", tokens, len(tokens))
+    hashes = kv.req_hashes["a"][:7]
+    stored, written = [], []
+    for _ in range(4):
+        plan = kv.take_transfers()
+        stored.append([block_id for block_id, _ in plan.stores])
+        written += [w.block_hash for w in plan.to_disk]
+        kv.check_integrity()
+    assert stored == [[0, 1], [2, 3], [4, 5], [6]]
+    assert written == hashes[:5]  # the last two stay in the host tier's two slots
+    assert set(tiers.host.hashes()) == set(hashes[5:]) and not tiers.pending
+    assert all(block_hash in tiers.disk for block_hash in hashes[:5])
+    assert tiers.counters.stored_to_host == 7
+
+
+def test_a_block_waiting_for_a_host_slot_is_copied_before_the_step_that_reuses_it(tmp_path):
+    tiers = TierManager(HostTier(1), None, block_size=2)
+    kv = KVCacheManager(num_blocks=4, block_size=2, tiers=tiers)
+    tokens = [1, 2, 3, 4, 9]  # 2 full blocks: one is written through, one waits
+    hits, num_cached = kv.get_computed_blocks("a", tokens)
+    kv.allocate_slots("a", num_cached, len(tokens) - num_cached, hits)
+    kv.cache_blocks("a", tokens, len(tokens))
+    assert [block_id for block_id, _ in kv.take_transfers().stores] == [0]
+    waiting = kv.req_hashes["a"][1]
+    assert set(tiers.pending) == {waiting}
+    kv.free("a")
+    kv.pool.allocate(4)  # the device hands every block out again, the waiting one's too
+    # this step's forward would overwrite it: still copied first, in this step's message
+    plan = kv.take_transfers()
+    assert plan.stores_first == [(1, 0)] and not tiers.pending
