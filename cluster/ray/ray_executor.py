@@ -3,7 +3,8 @@
 Steps go to the shards through a compiled graph. Its loop in each shard waits for the next
 step by polling a shared-memory channel, which holds a core busy while the replica is idle;
 ``park`` sends the shards a step that waits on an event instead, and the next step lets them
-go first (one ordinary call a shard, ~1 ms, only after an idle spell).
+go first (one ordinary call a shard, ~1 ms, only after an idle spell). Reading a step's result
+polls too: the replica waits for the shards' notices first (step_notice.py).
 """
 
 import contextlib
@@ -16,6 +17,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.ray.placement import check_placeable, shard_bundle
 from cluster.ray.shard_actor import SHARD_ACTOR_OPTIONS, Park, ShardActor
+from cluster.ray.step_notice import StepNotices
 from workers.device_stats import DeviceStats
 from workers.host_layout import OffloadInfo
 from workers.step_input import StepInput, StepOutput
@@ -63,12 +65,23 @@ class RayExecutor:
         self._all(lambda actor: actor.init_worker.remote(address, replica_gpus))
         self.step_graph = None  # compiled once the KV cache exists (init_kv_cache)
         self.parked: list | None = None  # the refs of the Park step the shards are held in
+        self.notices = self._connect_notices()
 
     def _all(self, call) -> list:
         try:
             return ray.get([call(actor) for actor in self.actors])
         except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as error:
             raise ShardFailure(f"a shard actor failed: {error}") from error
+
+    def _connect_notices(self) -> StepNotices | None:
+        """A FIFO a shard, where every shard is on this node; else None (results polled)."""
+        notices = StepNotices(len(self.actors))
+        connected = ray.get([actor.connect_notice.remote(path)
+                             for actor, path in zip(self.actors, notices.paths, strict=True)])
+        if all(connected):
+            return notices
+        notices.close()  # the shards that did connect see a closed pipe and stop writing
+        return None
 
     def determine_num_kv_blocks(self) -> int:
         # every rank holds the same number of blocks: the smallest one decides
@@ -108,8 +121,12 @@ class RayExecutor:
             if self.parked is not None:
                 self._unpark()
             refs = self.step_graph.execute(step)
+            if self.notices is not None:
+                self.notices.wait()  # asleep while the shards work, not polling
             # ranks > 0 first: a dead one answers at once, where rank 0 may wait in a collective
             outputs = [ray.get(ref) for ref in reversed(refs)]
+            if self.notices is not None:
+                self.notices.drain()
         except ray.exceptions.RayError as error:
             raise ShardFailure(f"a shard actor failed: {error}") from error
         output = outputs[-1]
@@ -166,3 +183,5 @@ class RayExecutor:
         for actor in self.actors:
             ray.kill(actor)
         remove_placement_group(self.placement_group)
+        if self.notices is not None:
+            self.notices.close()

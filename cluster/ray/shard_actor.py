@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from cluster import environment
+from cluster.ray.step_notice import StepNoticeSender
 from workers.device_stats import DeviceStats
 from workers.host_layout import OffloadInfo
 from workers.layers.parallel import TensorParallelGroup
@@ -46,6 +47,7 @@ class ShardActor:
         self.worker: Worker | None = None
         self.profiler = None  # a torch.profiler between start_profile and stop_profile
         self.unparked = threading.Event()  # set by ``unpark``, from Ray's ordinary call thread
+        self.notice = StepNoticeSender()  # tells the replica a step ended (step_notice.py)
 
     def rendezvous_address(self) -> str:
         return free_address()
@@ -92,6 +94,11 @@ class ShardActor:
         assert self.worker is not None
         return self.worker.key_centers_digest()
 
+    def connect_notice(self, path: str) -> bool:
+        """Tells the end of each step through the replica's FIFO ``path`` (step_notice.py);
+        False where this node has none."""
+        return self.notice.connect(path)
+
     def execute(self, step: StepInput | Park) -> StepOutput | None:
         if isinstance(step, Park):
             # runs on the compiled graph's thread; ordinary calls (unpark, pings) on another
@@ -99,7 +106,10 @@ class ShardActor:
             self.unparked.clear()
             return None
         assert self.worker is not None
-        return self.worker.execute(step)
+        try:
+            return self.worker.execute(step)
+        finally:  # a failed step too: the replica reads the error at once
+            self.notice.send()
 
     def export_host_slots(self, slots: list[int]) -> torch.Tensor:
         """Beside the compiled graph's steps: the slots are pinned by the engine meanwhile."""
