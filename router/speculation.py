@@ -4,19 +4,24 @@ Every cost is measured, from the engine's own calls (``StepCosts``, least square
 exponential forgetting):
 
     seconds of a call  ~  a * steps + b * tokens + c * verifies + g * draft_steps
-                          + h * draft_tokens
+                          + h * draft_tokens + u * catch_up_tokens
 
 ``a`` and ``b``: the target's step, weight-bound and per token; ``c``: what a call that
-verifies drafts costs for being one (a single step where plain decoding runs several a call;
-a draft model's catch-up forward); ``g`` and ``h``: a draft model's, per draft step (each of
-a step's k draft forwards reads the draft's weights) and per draft token; plus ``p``, the
-proposer's own host time for each sequence it is asked about (prompt lookup's search; a draft
-model's is in ``c``, ``g`` and ``h``).
+verifies drafts costs for being one (a single step where plain decoding runs several a call,
+the draft's catch-up forward as a launch); ``g`` and ``h``: a draft model's, per draft step (each of
+a step's k draft forwards reads the draft's weights) and per draft token; ``u``: per token a
+draft model catches up on before it drafts (the tokens it has not seen: one or a few a row
+while a sequence drafts every step, all those since it last drafted when it resumes, so a
+resume's price, or a new sequence's prompt, is not read as a price per draft); plus ``p``,
+the proposer's own host time for each sequence it is asked about (prompt lookup's search; a
+draft model's is in ``g``, ``h`` and ``u``).
 
 A plain step of B decodes makes B tokens in ``a + b * B``. Drafts change that to
 ``B + sum_i sum_{j<=k_i} alpha_i^j`` expected tokens (``alpha_i``: sequence i's measured
 acceptance; its j-th draft counts only when every one before it is accepted) in
-``a + b * (B + D) + c + g * K + h * D + p * asked`` (D drafts in all, K the longest row's).
+``a + b * (B + D) + c + g * K + h * D + u * (asked + gain) + p * asked`` (D drafts in all,
+K the longest row's; the catch-up at a drafting row's next drafting: its bonus token and the
+drafts kept, at most).
 ``choose`` picks the k_i that maximise that rate, or none: each sequence's j-th draft must
 beat the plain rate on its own (``alpha^j >= (b + h) * rate``), then the step's longest
 length K is chosen by the rate of the whole step, so a verify call's own cost and a draft
@@ -46,13 +51,15 @@ RIDGE = 1e-9  # what the calls leave open goes to the step (``_least_squares``)
 
 
 class Costs(NamedTuple):
-    """Seconds: a target step, a target token, a verify call, a draft step, a draft token."""
+    """Seconds: a target step, a target token, a verify call, a draft step, a draft token,
+    a token the draft catches up on."""
 
     a: float
     b: float
     c: float
     g: float
     h: float
+    u: float
 
 
 FEATURES = len(Costs._fields)
@@ -60,8 +67,8 @@ FEATURES = len(Costs._fields)
 
 @dataclass
 class StepCosts:
-    """seconds ~ features . (a, b, c, g, h), by least squares over recent calls, none below
-    0. Features that move together (at batch 1 a plain call's tokens are its steps; a draft's
+    """seconds ~ features . (a, b, c, g, h, u), by least squares over recent calls, none
+    below 0. Features that move together (at batch 1 a plain call's tokens are its steps; a draft's
     steps are its tokens) are parted in favour of the step ``a``: what a decision reads of
     them, the time of the calls it compares, is still what was measured."""
 
@@ -71,14 +78,15 @@ class StepCosts:
     calls: float = 0.0
 
     def add(self, seconds: float, steps: int, tokens: int, verifies: int = 0,
-            draft_steps: int = 0, draft_tokens: int = 0) -> None:
-        x = np.array([steps, tokens, verifies, draft_steps, draft_tokens], dtype=np.float64)
+            draft_steps: int = 0, draft_tokens: int = 0, catch_up_tokens: int = 0) -> None:
+        x = np.array([steps, tokens, verifies, draft_steps, draft_tokens, catch_up_tokens],
+                     dtype=np.float64)
         self.xtx = self.xtx * self.forget + np.outer(x, x)
         self.xty = self.xty * self.forget + x * seconds
         self.calls = self.calls * self.forget + 1
 
     def fit(self) -> Costs | None:
-        """(a, b, c, g, h), each at least 0, or None before two calls were seen: the best
+        """(a, b, c, g, h, u), each at least 0, or None before two calls were seen: the best
         fit with no negative cost (a negative one clamped afterwards would break the fit of
         the calls that set it)."""
         if self.calls < 2:
@@ -153,7 +161,7 @@ class DraftLength:
 
     def _best_lengths(self, seqs: list[Acceptance], batch_size: int,
                       fitted: Costs) -> list[int]:
-        a, b, c, g, h = fitted
+        a, b, c, g, h, u = fitted
         p = self.proposer_seconds
         plain_time = a + b * batch_size
         if plain_time <= 0:
@@ -176,7 +184,8 @@ class DraftLength:
                        for seq, k in zip(seqs, lengths, strict=True))
             drafts = sum(lengths)
             asked = sum(1 for k in lengths if k)
-            time = plain_time + c + per_draft * drafts + g * cap + p * asked
+            catch_up = u * (asked + gain)
+            time = plain_time + c + per_draft * drafts + g * cap + catch_up + p * asked
             rate = (batch_size + gain) / time
             if rate > best_rate:
                 best_rate, best_cap = rate, cap

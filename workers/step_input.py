@@ -71,3 +71,5 @@ class StepOutput:
     transfers: TransferReport | None = None
     # (request id, why) of rows whose output broke their grammar: the engine fails them
     grammar_failures: list[tuple[str, str]] = field(default_factory=list)
+    # tokens the draft model caught up on before drafting (router/speculation.py prices them)
+    draft_catch_up_tokens: int = 0

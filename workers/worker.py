@@ -261,6 +261,8 @@ class Worker:
         output = self._run_step(step)
         if output is not None and self.constraints is not None:
             output.grammar_failures = self.constraints.take_failures()
+        if output is not None and self.draft is not None:
+            output.draft_catch_up_tokens = self.draft.take_caught_up()
         return output
 
     def _run_step(self, step: StepInput) -> StepOutput | None:

@@ -169,7 +169,7 @@ def set_draft_length(llm, k: int) -> None:  # type: ignore[no-untyped-def]
 
 def fitted_costs_ms(llm) -> list[float] | None:  # type: ignore[no-untyped-def]
     """What adaptive speculation believes a call costs (router/speculation.py): the step, a
-    token, a verify call, a draft step, a draft token, in ms."""
+    token, a verify call, a draft step, a draft token, a catch-up token, in ms."""
     fitted = llm.engine.speculator.lengths.costs.fit()
     return None if fitted is None else [round(1e3 * value, 4) for value in fitted]
 

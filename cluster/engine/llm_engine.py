@@ -357,7 +357,7 @@ class LLMEngine:
                 self._fail(tracker, "turning its tokens into text", error)
         broken = self._fail_broken_grammars(result.grammar_failures)
         if self.speculator is not None:
-            self.speculator.observe(scheduled, sampled, seconds)
+            self.speculator.observe(scheduled, sampled, seconds, result.draft_catch_up_tokens)
             self.speculator.forget(finished)
             self.speculator.propose(self.scheduler.running)
         return list(touched.values()) + [t for t in broken if t.request_id not in touched]

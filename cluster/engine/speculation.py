@@ -143,8 +143,9 @@ class Speculator:
             self.lengths.observe_proposer(time.perf_counter() - started, asked)
 
     def observe(self, output: SchedulerOutput, sampled: Mapping[str, Sequence[int]],
-                seconds: float) -> None:
-        """A step's verify results, and its cost when it was one of decodes and verifies."""
+                seconds: float, catch_up_tokens: int = 0) -> None:
+        """A step's verify results, and its cost when it was one of decodes and verifies
+        (``catch_up_tokens``: those the draft model caught up on in it)."""
         metrics, decodes_only = self.metrics, True
         draft_tokens = draft_steps = 0
         for item in output.scheduled:
@@ -170,7 +171,7 @@ class Speculator:
         num_tokens = sum(item.num_new_tokens for item in output.scheduled)
         verifies = int(any(item.num_drafts for item in output.scheduled))
         self.lengths.costs.add(seconds, num_steps, num_tokens * num_steps, verifies,
-                               draft_steps, draft_tokens)
+                               draft_steps, draft_tokens, catch_up_tokens)
         self._time_against_plain(output, sampled, seconds)
 
     def _time_against_plain(self, output: SchedulerOutput,

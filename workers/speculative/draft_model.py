@@ -79,6 +79,7 @@ class DraftModel:
         # per request: positions whose K/V is known right, and its last drafting
         self.computed: dict[str, int] = {}
         self.drafted: dict[str, Drafted] = {}
+        self.caught_up = 0  # tokens caught up on since take_caught_up
 
     def bytes_per_block(self) -> int:
         return kv_bytes_per_block(self.hf_config, 1, self.block_size, self.dtype)
@@ -159,7 +160,13 @@ class DraftModel:
             hidden = hidden[batch.sample_indices]
         for request_id, state in zip(request_ids, states, strict=True):
             self.computed[request_id] = len(state.token_ids)
+        self.caught_up += sum(missing)
         return greedy(self.model.compute_logits(hidden))
+
+    def take_caught_up(self) -> int:
+        """Tokens caught up on since the last call (the step's, for its cost)."""
+        caught_up, self.caught_up = self.caught_up, 0
+        return caught_up
 
     def _as_rows(self, missing: list[int]) -> bool:
         """Whether the catch-up runs as one-token rows: whenever a CUDA graph holds them all

@@ -214,6 +214,9 @@ def test_the_target_as_its_own_draft_is_accepted_and_exact(tiny_models, expected
     assert stats.spec_decode_num_drafts > 0
     rate = stats.spec_decode_num_accepted_tokens / stats.spec_decode_num_draft_tokens
     assert rate >= 0.95
+    # the tokens the draft caught up on (its prompts first) reach the cost model, apart
+    costs = llm.engine.speculator.lengths.costs
+    assert costs.xtx[5, 5] > 0 and costs.xty[5] > 0
 
 
 def test_an_unrelated_draft_changes_nothing_under_chunks_preemption_and_prefix_hits(

@@ -81,10 +81,13 @@ def test_a_rejected_draft_leaves_the_row_in_step_and_a_released_one_starts_again
     [first, _] = states()
     d1, d2 = greedy(PROMPTS[0], 2)
     assert draft.draft(["a"], [first], [2]) == [[d1, d2]]
+    assert draft.take_caught_up() == len(PROMPTS[0])  # its prompt, what a step reports
+    assert draft.take_caught_up() == 0
     first.token_ids += [d1, (d2 + 1) % 1000]  # the first accepted, the second rejected
     draft.model.forwards.clear()
     assert draft.draft(["a"], [first], [2]) == [greedy(first.token_ids, 2)]
     assert draft.model.forwards == [1, 1]  # in step: its newest token alone, then a step
+    assert draft.take_caught_up() == 1
     draft.release(["a"])  # preempted: back with blocks the draft never wrote
     first.block_ids = list(range(30, 42))
     draft.model.forwards.clear()
