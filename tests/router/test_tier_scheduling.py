@@ -138,18 +138,21 @@ def test_blocks_leaving_the_host_tier_go_to_disk_and_come_back_through_a_host_sl
 def test_a_refused_disk_read_is_recomputed_and_forgotten(tmp_path):
     sched = make(tmp_path, num_blocks=8, host_slots=2, disk_blocks=8)
     run_alone(sched, "a", PROMPT)
-    step(sched)  # blocks 0 and 1 in the host tier (two slots: 2 is not written through)
+    step(sched)  # blocks 0 and 1 in the host tier (two slots: 2 waits for one)
     run_alone(sched, "c", range(700, 705))
-    step(sched)  # c's block takes block 0's slot: block 0 goes to disk
+    step(sched)  # block 2, then c's block, take the slots: blocks 0 and 1 go to disk
+    h = hashes(PROMPT)
+    assert set(sched.kv.tiers.host.hashes()) == {h[2], hashes(range(700, 705))[0]}
     sched.kv.reset_prefix_cache()
     sched.add(seq("b", PROMPT))
-    h = hashes(PROMPT)
     _, transfers = step(sched)
+    # block 0 is read into c's slot; block 1 finds none free (0's and 2's are pinned)
     assert [read.block_hash for read in transfers.from_disk] == [h[0]]
-    assert transfers.loads[0].host_slots == [0, 1]
+    assert transfers.loads[0].host_slots == [1]
     step(sched, TransferReport(loaded={"b": 0}, failed_reads=[h[0]]))
     assert h[0] not in sched.kv.tiers.host and h[0] not in sched.kv.tiers.disk
-    assert h[1] in sched.kv.tiers.host  # intact, but after the gap: not a hit this time
+    # intact, but after the gap: not hits this time
+    assert h[1] in sched.kv.tiers.disk and h[2] in sched.kv.tiers.host
     assert step(sched)[0] == [("b", 0, 13)]  # recomputed from the start
     assert (sched.kv.stats.hits, sched.kv.stats.host_hits, sched.kv.stats.disk_hits) == (0, 0, 0)
 
