@@ -10,7 +10,9 @@ import threading
 import time
 
 import httpx2 as httpx
+import jsonschema
 import openai
+import pydantic
 import pytest
 import ray
 from prometheus_client.parser import text_string_to_metric_families
@@ -44,7 +46,7 @@ def base_url():
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     common = dict(model=MODEL, device="cpu", dtype="float32", num_kv_blocks=96,
-                  max_model_len=256, max_body_bytes=64 << 10)
+                  max_model_len=512, max_body_bytes=64 << 10)
     serve.run_many([  # deployed at once
         RunTarget(server_app(ServeConfig(**common, api_key=None)), name="open",
                   route_prefix="/"),
@@ -149,7 +151,7 @@ def test_models_and_health(client, base_url):
     ("completions", {"prompt": ""}, 400, "prompt"),
     ("completions", {"prompt": [[1, 2], []]}, 400, "prompt"),
     ("completions", {"prompt": [10**9]}, 400, "prompt"),
-    ("completions", {"prompt": "word " * 300}, 400, "prompt"),
+    ("completions", {"prompt": "word " * 600}, 400, "prompt"),  # past max_model_len 512
     ("chat/completions", {"messages": []}, 400, "messages"),
     ("chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, 400, None),
     ("chat/completions", {"messages": QUESTION, "temperature": -1}, 400, "temperature"),
@@ -276,3 +278,100 @@ def test_ingress_replicas_share_one_set_of_engines(base_url):
     # there an engine per HTTP replica, the requests would split between them)
     for _ in range(4):
         assert generated_by_replica() == [("0", before + 9 * 6)]
+
+
+# -- structured outputs and tools through the official client (docs/structured-outputs.md) --
+
+
+class City(pydantic.BaseModel):
+    name: str = pydantic.Field(max_length=20)
+    country: str = pydantic.Field(max_length=20)
+
+
+def test_parse_returns_the_pydantic_object_the_schema_asked_for(client):
+    out = client.chat.completions.parse(
+        messages=[{"role": "user", "content": "Name a city in France."}], response_format=City,
+        max_tokens=60, **greedy())
+    choice = out.choices[0]
+    assert choice.finish_reason == "stop"
+    assert isinstance(choice.message.parsed, City)
+    assert City.model_validate_json(choice.message.content) == choice.message.parsed
+
+
+SCHEMAS = [
+    {"type": "object", "properties": {
+        "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]},
+                 "minItems": 1, "maxItems": 3},
+        "score": {"type": "integer", "minimum": 0, "maximum": 10}},
+     "required": ["tags", "score"], "additionalProperties": False},
+    {"$defs": {"point": {"type": "object", "properties": {
+        "x": {"type": "number"}, "y": {"type": "number"}}, "required": ["x", "y"],
+        "additionalProperties": False}},
+     "type": "object", "properties": {"start": {"$ref": "#/$defs/point"},
+                                      "label": {"type": "string", "pattern": "^[a-z]{1,8}$"}},
+     "required": ["start", "label"], "additionalProperties": False},
+]
+
+
+@pytest.mark.parametrize("schema", SCHEMAS, ids=["enum-array-bounds", "ref-pattern"])
+def test_a_json_schema_is_answered_with_valid_json(client, schema):
+    out = client.chat.completions.create(
+        messages=[{"role": "user", "content": "Describe a small red shape as JSON."}],
+        response_format={"type": "json_schema",
+                         "json_schema": {"name": "answer", "schema": schema, "strict": True}},
+        max_tokens=80, **greedy())
+    assert out.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(out.choices[0].message.content), schema)
+
+
+WEATHER = {"type": "object", "properties": {
+    "city": {"type": "string", "maxLength": 20},
+    "unit": {"enum": ["celsius", "fahrenheit"]}}, "required": ["city", "unit"]}
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city.",
+    "parameters": WEATHER}}]
+ASK = [{"role": "user", "content": "What is the weather in Paris, in celsius?"}]
+
+
+def tool_arguments(chunks) -> list[str]:  # type: ignore[no-untyped-def]
+    """Each streamed call's arguments, their deltas joined, by the call's index."""
+    arguments: dict[int, str] = {}
+    for chunk in chunks:
+        for call in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
+            arguments[call.index] = arguments.get(call.index, "") + (call.function.arguments
+                                                                     or "")
+    return [arguments[index] for index in sorted(arguments)]
+
+
+def test_a_tool_call_streamed_its_result_sent_back_and_the_answer(client):
+    out = client.chat.completions.create(messages=ASK, tools=TOOLS, tool_choice="required",
+                                         parallel_tool_calls=False, max_tokens=120, **greedy())
+    choice = out.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    [call] = choice.message.tool_calls
+    assert call.type == "function" and call.function.name == "get_weather" and call.id
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER)
+    # streamed, the function named: the argument deltas add up to the whole's
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    one = dict(tools=TOOLS, tool_choice=named, parallel_tool_calls=False, max_tokens=120)
+    whole = client.chat.completions.create(messages=ASK, **one, **greedy())
+    chunks = list(client.chat.completions.create(messages=ASK, **one, stream=True, **greedy()))
+    assert tool_arguments(chunks) == [c.function.arguments
+                                      for c in whole.choices[0].message.tool_calls]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+    # the tool's result goes back in the conversation; with tool_choice none, a plain answer
+    conversation = ASK + [
+        {"role": "assistant", "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": "18 degrees, sunny"}]
+    answer = client.chat.completions.create(messages=conversation, tools=TOOLS,
+                                            tool_choice="none", max_tokens=40, **greedy())
+    assert answer.choices[0].message.content and not answer.choices[0].message.tool_calls
+    # auto: whatever the model chooses comes back in OpenAI's form
+    auto = client.chat.completions.create(messages=ASK, tools=TOOLS, tool_choice="auto",
+                                          parallel_tool_calls=False, max_tokens=120,
+                                          **greedy()).choices[0]
+    if auto.message.tool_calls:
+        assert auto.finish_reason == "tool_calls"
+        jsonschema.validate(json.loads(auto.message.tool_calls[0].function.arguments), WEATHER)
+    else:
+        assert auto.message.content and auto.finish_reason in ("stop", "length")
