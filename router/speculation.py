@@ -31,7 +31,11 @@ large batch, or the CPU, is compute-bound and speculation turns itself off. A se
 drafts nothing for a while is tried again with one draft, after 16 steps, then 32, ...
 (``RETRY_AFTER``): an unrelated draft model costs almost nothing once it has been found out
 (a try of every draft would cost a batch its draft model's k steps, ~1 ms each on an H100 at
-the 1B shape, where one costs one).
+the 1B shape, where one costs one); tries fall on steps that are multiples of 16, so a batch's
+share their verify calls. Verify calls alone can't tell a plain step's cost from a verify's
+(the fit gives it all to the step, and drafts look free): when the fit holds no recent plain
+call (``PLAIN_PROBE_BELOW``), the next step is plain. tests/router/test_speculation_dynamics.py
+runs these rules step after step against costs an H100 measured.
 """
 
 import itertools
@@ -44,6 +48,7 @@ PRIOR_ALPHA = 0.6  # before a sequence has verified anything: the brief's break-
 ALPHA_MEMORY = 0.9  # each verified draft moves the estimate by 1 - this (at 0.8, H100: a
 # sequence of true alpha 0.8 read as below its break-even, 0.55, often enough to pause 3/4 of
 # its steps)
+PLAIN_PROBE_BELOW = 0.1  # a plain call's weight in the fit below this: the next step is plain
 RETRY_AFTER = 16  # steps off before a sequence is tried again; doubled after each failed try
 MAX_RETRY_AFTER = 512
 RCOND = 1e-12  # numerical noise of the solve, not a choice
@@ -76,6 +81,7 @@ class StepCosts:
     xtx: np.ndarray = field(default_factory=lambda: np.zeros((FEATURES, FEATURES)))
     xty: np.ndarray = field(default_factory=lambda: np.zeros(FEATURES))
     calls: float = 0.0
+    plain: float = 0.0  # the weight of the calls without drafts, forgotten alike
 
     def add(self, seconds: float, steps: int, tokens: int, verifies: int = 0,
             draft_steps: int = 0, draft_tokens: int = 0, catch_up_tokens: int = 0) -> None:
@@ -84,6 +90,7 @@ class StepCosts:
         self.xtx = self.xtx * self.forget + np.outer(x, x)
         self.xty = self.xty * self.forget + x * seconds
         self.calls = self.calls * self.forget + 1
+        self.plain = self.plain * self.forget + (0 if verifies else 1)
 
     def fit(self) -> Costs | None:
         """(a, b, c, g, h, u), each at least 0, or None before two calls were seen: the best
@@ -135,6 +142,7 @@ class DraftLength:
     costs: StepCosts = field(default_factory=StepCosts)
     seqs: dict[str, Acceptance] = field(default_factory=dict)
     proposer_seconds: float = 0.0  # p: host time per sequence asked (moving average)
+    steps: int = 0  # choose's calls: the clock the tries keep
 
     def observe_proposer(self, seconds: float, asked: int) -> None:
         if asked:
@@ -148,15 +156,20 @@ class DraftLength:
         if not self.adaptive:
             return dict.fromkeys(request_ids, self.max_drafts)
         seqs = [self.seqs.setdefault(request_id, Acceptance()) for request_id in request_ids]
+        self.steps += 1
         fitted = self.costs.fit()
         lengths = [0] * len(seqs)
         if fitted is None:  # nothing measured yet: try, and measure
             lengths = [self.max_drafts] * len(seqs)
+        elif self.costs.plain < PLAIN_PROBE_BELOW:
+            # no recent plain call: a verify's time alone can't say what a plain step costs
+            # (the fit gives it all to the step, and any draft looks free): measure one
+            return dict.fromkeys(request_ids, 0)
         else:
             lengths = self._best_lengths(seqs, batch_size, fitted)
         chosen = {}
         for request_id, seq, k in zip(request_ids, seqs, lengths, strict=True):
-            chosen[request_id] = k or self._retry(seq)
+            chosen[request_id] = k or self._retry(seq, self.steps)
         return chosen
 
     def _best_lengths(self, seqs: list[Acceptance], batch_size: int,
@@ -192,11 +205,13 @@ class DraftLength:
         return [min(limit, best_cap) for limit in limits]
 
     @staticmethod
-    def _retry(seq: Acceptance) -> int:
+    def _retry(seq: Acceptance, step: int) -> int:
         """0, or 1 when a sequence off for long enough is tried again (the text may have
-        turned repetitive since)."""
+        turned repetitive since). Tries fall on steps that are multiples of RETRY_AFTER, so
+        a batch's sequences are tried in the same verify calls, not each in one of its own
+        (every verify call costs the whole batch a single step)."""
         seq.steps_off += 1
-        if seq.steps_off < seq.retry_after:
+        if seq.steps_off < seq.retry_after or step % RETRY_AFTER:
             return 0
         seq.steps_off = 0
         seq.retry_after = min(seq.retry_after * 2, MAX_RETRY_AFTER)

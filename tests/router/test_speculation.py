@@ -161,7 +161,6 @@ def test_acceptance_is_learnt_per_sequence_and_a_low_one_stops_drafting_for_long
         lengths.record("bad", num_drafts=4, num_accepted=0)  # one try a step: the first
         lengths.record("good", num_drafts=4, num_accepted=4)  # four right
     assert lengths.seqs["bad"].alpha < 0.01 and lengths.seqs["good"].alpha > 0.99
-    assert lengths.choose(["good"], batch_size=8) == {"good": 4}
 
     def tries(steps: int) -> list[int]:
         return [lengths.choose(["bad"], batch_size=8)["bad"] for _ in range(steps)]
@@ -171,8 +170,40 @@ def test_acceptance_is_learnt_per_sequence_and_a_low_one_stops_drafting_for_long
     assert tries(2 * RETRY_AFTER) == [0] * (2 * RETRY_AFTER - 1) + [1]
     lengths.record("bad", num_drafts=1, num_accepted=1)  # a try that paid: back to the start
     assert lengths.seqs["bad"].retry_after == RETRY_AFTER
+    assert lengths.choose(["good"], batch_size=8) == {"good": 4}
     lengths.forget("bad")
     assert "bad" not in lengths.seqs
+
+
+def test_sequences_that_paused_at_different_steps_are_tried_in_the_same_one():
+    # every verify call costs the whole batch a single step: tries share them
+    lengths = DraftLength(max_drafts=4, costs=fitted(0.010, 0.0001))
+    lengths.seqs["early"] = Acceptance(alpha=0.0)
+    tried = {"early": [], "late": []}
+    for step in range(1, 3 * RETRY_AFTER + 1):
+        if step == 5:
+            lengths.seqs["late"] = Acceptance(alpha=0.0)  # off from step 5
+        for request_id, k in lengths.choose(list(lengths.seqs), batch_size=2).items():
+            if k:
+                tried[request_id].append(step)
+                lengths.record(request_id, num_drafts=k, num_accepted=0)
+    # early: off 16 steps at step 16, then 32 more at 48; late: 16 steps off at step 20,
+    # tried at the next multiple of 16, 32, then 32 more at 64 (past the loop)
+    assert tried == {"early": [RETRY_AFTER, 3 * RETRY_AFTER], "late": [2 * RETRY_AFTER]}
+
+
+def test_with_no_plain_call_in_the_fit_the_next_step_is_plain():
+    # verify calls alone: the fit gives all their time to the target's step, which makes
+    # any draft look free; one plain call (8 steps of decode) says what a step costs
+    costs = StepCosts()
+    for _ in range(3):
+        costs.add(0.0116, steps=1, tokens=5, verifies=1, draft_steps=4, draft_tokens=4)
+    lengths = DraftLength(max_drafts=4, costs=costs)
+    lengths.seqs["a"] = Acceptance(alpha=0.0)
+    assert lengths.choose(["a"], batch_size=1) == {"a": 0}
+    costs.add(8 * 0.0058, steps=8, tokens=8)
+    lengths.seqs["b"] = Acceptance(alpha=0.9)
+    assert lengths.choose(["a", "b"], batch_size=2) == {"a": 0, "b": 4}
 
 
 def test_a_fixed_length_when_not_adaptive_and_the_most_before_any_call():
