@@ -11,7 +11,7 @@ import jsonschema
 import pytest
 
 from cluster import LLM, SamplingParams
-from workers.catalog import DEFAULT_MODEL
+from workers.catalog import DEFAULT_MODEL, model_path
 
 pytestmark = pytest.mark.slow
 
@@ -67,14 +67,21 @@ def test_the_same_greedy_object_through_preemption():
     assert all(o.outputs[0].token_ids == alone for o in outs)
 
 
-def test_speculation_keeps_the_greedy_structured_output(llm):
+@pytest.mark.parametrize("proposer", ["ngram", "draft"])
+def test_speculation_keeps_the_greedy_structured_output(llm, proposer):
+    # the draft model (the target itself, fixed length) proposes without the grammar: drafts
+    # are cut at the first token it rejects
+    config = ({"method": "ngram", "num_speculative_tokens": 4} if proposer == "ngram" else
+              {"model": str(model_path(DEFAULT_MODEL)), "num_speculative_tokens": 3,
+               "adaptive": False})
     spec = LLM(DEFAULT_MODEL, device="cpu", dtype="float32", block_size=16, num_kv_blocks=256,
-               speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+               speculative_config=config)
     prompts = [PROMPT, 'Repeat: {"name": "Ann", "age": 3, "languages": ["en"]}']
     expected = [o.outputs[0].token_ids for o in llm.generate(prompts, structured(json=PERSON))]
     outs = spec.generate(prompts, structured(json=PERSON))
     assert [o.outputs[0].token_ids for o in outs] == expected
-    assert spec.engine.stats().spec_decode_num_draft_tokens > 0
+    stats = spec.engine.stats()
+    assert stats.spec_decode_num_draft_tokens > 0 and stats.spec_decode_num_accepted_tokens > 0
 
 
 def test_logit_bias_forces_and_bans_tokens(llm):
