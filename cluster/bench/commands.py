@@ -39,6 +39,13 @@ from workers.loader import load_config, weight_files
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def bench_dtype(name: str, device: torch.device) -> torch.dtype:
+    """--dtype: as named, or for ``auto`` bfloat16 on a GPU and float32 on the CPU."""
+    if name == "auto":
+        name = "bfloat16" if device.type == "cuda" else "float32"
+    return DTYPES[name]
+
+
 def count_parameters(folder: Path) -> int:
     total = 0
     for path in weight_files(folder):
@@ -56,9 +63,7 @@ class Setup:
         self.args = args
         self.compiles = CompileLog.start()
         self.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        name = args.dtype if args.dtype != "auto" else (
-            "bfloat16" if self.device.type == "cuda" else "float32")
-        self.dtype = DTYPES[name]
+        self.dtype = bench_dtype(args.dtype, self.device)
         if args.shape:
             root = Path(args.model_cache or environment.cache_dir() / "bench-models")
             self.folder = build_random_model(args.shape, root)
@@ -69,7 +74,8 @@ class Setup:
         print(f"measuring ceilings on {self.device} ...")
         self.ceilings = roofline.measure_ceilings(self.device, self.dtype)
         self.record = {
-            "config": vars(args) | {"model_folder": str(self.folder), "dtype": name},
+            "config": vars(args) | {"model_folder": str(self.folder),
+                                    "dtype": str(self.dtype).removeprefix("torch.")},
             "environment": machine_facts(self.device),
             "ceilings": roofline.as_dict(self.ceilings),
             "model_cost": vars(self.cost),

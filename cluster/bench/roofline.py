@@ -147,7 +147,7 @@ def serving_bound(cost: ModelCost, ceilings: Ceilings, input_len: int, output_le
     prefill_s = max(2 * cost.num_params * input_len / flops,
                     (cost.weight_bytes + input_len * cost.kv_bytes_per_token) / bandwidth)
     context = input_len + (output_len - 1) / 2  # a decode's mean context
-    step_s = max((cost.weight_bytes + batch * context * cost.kv_bytes_per_token) / bandwidth,
+    step_s = max(decode_step_seconds(cost, [round(context)] * batch, ceilings),
                  2 * cost.num_params * batch / flops)
     request_s = prefill_s + (output_len - 1) * step_s / batch
     return {"requests_per_s": 1 / request_s, "output_tokens_per_s": output_len / request_s,

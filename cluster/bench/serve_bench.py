@@ -26,16 +26,16 @@ from cluster.bench.http_clients import ClientError, HttpClients, httpx_module
 from cluster.bench.serve_load import (
     SAFE_VOCAB,
     Load,
-    Send,
     goodput_slo,
     in_process_sender,
-    run_load,
     run_loads,
+    runner_of,
 )
 from cluster.bench.serve_slo import (
     add_slo_arguments,
     check_slo_arguments,
     measure_bound,
+    plot_sweeps,
     slo_table,
     sweep,
 )
@@ -332,31 +332,14 @@ def result_path(args: argparse.Namespace, label: str, model: str,
     return str(Path(args.result_dir or ".") / name)
 
 
-def runner_of(send: Send):  # type: ignore[no-untyped-def]
-    """A load runner over one sender in this process."""
-
-    async def run(prompts: list[list[int]], output_len: int, load: Load, seed: int):  # type: ignore[no-untyped-def]
-        return await run_load(send, prompts, output_len, load, seed)
-
-    return run
-
-
 def write_plot(path: str, series: dict[str, dict[str, dict]],
                sweeps: dict[str, dict] | None = None) -> None:
-    """The loads to ``path``; a sweep's probes, by rate, to <path>-slo-rate.png beside it."""
+    """The loads to ``path``; each path's sweep beside it (serve_slo.py)."""
     from cluster.bench.plots import plot_loads
 
     plot_loads(path, series)
     print(f"wrote {path}")
-    if sweeps:
-        by_rate = {name: {f"{p['rate']:.4g} req/s": p["result"]
-                          for p in sorted(found["probes"], key=lambda p: p["rate"])}
-                   for name, found in sweeps.items()}
-        # each path probed its own rates: one figure a path
-        for name, probes in by_rate.items():
-            sweep_path = str(Path(path).with_suffix("")) + f"-slo-rate-{name}.png"
-            plot_loads(sweep_path, {name: probes})
-            print(f"wrote {sweep_path}")
+    plot_sweeps(path, sweeps or {})
 
 
 def tables(loads: list[Load], paths: dict[str, dict], args: argparse.Namespace,

@@ -172,6 +172,16 @@ def num_prompts(load: Load, asked: int) -> int:
     return max(8 * (load.concurrency or 8), 32)
 
 
+def runner_of(send: Send) -> Runner:
+    """A load runner over one sender in this process."""
+
+    async def run(prompts: list[list[int]], output_len: int, load: Load,
+                  seed: int) -> tuple[list[Timing], float]:
+        return await run_load(send, prompts, output_len, load, seed)
+
+    return run
+
+
 async def run_loads(send: Send | None, args: argparse.Namespace, loads: list[Load],
                     vocab: int, runner: Runner | None = None) -> dict[str, dict]:
     """Each load warmed up, then measured; ``runner`` (if given) runs them instead of one
@@ -180,11 +190,7 @@ async def run_loads(send: Send | None, args: argparse.Namespace, loads: list[Loa
 
     if runner is None:
         assert send is not None
-
-        async def runner(prompts: list[list[int]], output_len: int, load: Load,
-                         seed: int) -> tuple[list[Timing], float]:
-            return await run_load(send, prompts, output_len, load, seed)
-
+        runner = runner_of(send)
     results = {}
     for index, load in enumerate(loads):
         # a short run of the same load first: the batch shapes it reaches (prefill chunks mixed

@@ -3,8 +3,9 @@ could have on this hardware (cluster/bench/roofline.py, ``serving_bound``), and 
 Poisson rate each path (in-process, HTTP) serves within the SLO (cluster/bench/slo.py)."""
 
 import argparse
+from pathlib import Path
 
-from cluster.bench.serve_load import Load, Runner, run_loads
+from cluster.bench.serve_load import Load, Runner, goodput_slo, run_loads
 from cluster.bench.slo import DEFAULT_GOODPUT, DEFAULT_SLO, find_slo_rate, parse_slo
 
 FIRST_RATE_SHARE = 0.25  # the sweep starts at this share of the bound
@@ -29,7 +30,7 @@ def add_slo_arguments(parser: argparse.ArgumentParser) -> None:
 
 def check_slo_arguments(args: argparse.Namespace) -> None:
     """Bad limits fail before anything starts."""
-    parse_slo(args.goodput or DEFAULT_GOODPUT, "--goodput")
+    goodput_slo(args)
     parse_slo(args.slo or DEFAULT_SLO, "--slo")
     if args.slo_first_rate is not None and not args.slo_first_rate > 0:
         raise ValueError(f"--slo-first-rate must be above 0, not {args.slo_first_rate:g}")
@@ -42,7 +43,7 @@ def measure_bound(args: argparse.Namespace, config) -> dict:  # type: ignore[no-
 
     from cluster import environment
     from cluster.bench import roofline
-    from cluster.bench.commands import count_parameters
+    from cluster.bench.commands import bench_dtype, count_parameters
     from workers.catalog import resolve_model
     from workers.loader import load_config as load_hf_config
 
@@ -50,9 +51,7 @@ def measure_bound(args: argparse.Namespace, config) -> dict:  # type: ignore[no-
     device = torch.device(engine.resolved_device)
     folder = resolve_model(args.model, environment.cache_dir())
     hf_config = load_hf_config(folder)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    if args.dtype not in ("auto", None):
-        dtype = getattr(torch, args.dtype)
+    dtype = bench_dtype(args.dtype, device)
     cost = roofline.per_rank(roofline.model_cost(hf_config, dtype, count_parameters(folder)),
                              args.tp, hf_config.num_key_value_heads)
     ceilings = roofline.measure_ceilings(device, dtype)
@@ -109,3 +108,15 @@ def slo_table(bound: dict | None, sweeps: dict[str, dict]) -> str:
                      "—" if share is None else f"{share:.0%}", len(found["probes"])])
     return markdown_table(["path", "SLO (p90, ms)", "highest rate req/s", "first missed",
                            "bound req/s", "share of bound", "probes"], rows)
+
+
+def plot_sweeps(path: str, sweeps: dict[str, dict]) -> None:
+    """Each path's probes by rate, to <path>-slo-rate-<path name>.png (each path probed rates
+    of its own: a figure a path)."""
+    from cluster.bench.plots import plot_loads
+
+    for name, found in sweeps.items():
+        probes = sorted(found["probes"], key=lambda probe: probe["rate"])
+        sweep_path = f"{Path(path).with_suffix('')}-slo-rate-{name}.png"
+        plot_loads(sweep_path, {name: {f"{p['rate']:.4g} req/s": p["result"] for p in probes}})
+        print(f"wrote {sweep_path}")

@@ -146,11 +146,12 @@ class Speculator:
                 seconds: float, catch_up_tokens: int = 0) -> None:
         """A step's verify results, and its cost when it was one of decodes and verifies
         (``catch_up_tokens``: those the draft model caught up on in it)."""
-        metrics, decodes_only = self.metrics, True
+        metrics, decodes_only, verifies = self.metrics, True, False
         draft_tokens = draft_steps = 0
         for item in output.scheduled:
             num_drafts = item.num_drafts
             decodes_only &= item.num_new_tokens - num_drafts == 1 and not item.is_new
+            verifies |= num_drafts > 0
             if not num_drafts or item.seq.request_id not in sampled:
                 continue
             kept = len(sampled[item.seq.request_id]) - 1
@@ -169,8 +170,7 @@ class Speculator:
             return
         num_steps = output.num_steps
         num_tokens = sum(item.num_new_tokens for item in output.scheduled)
-        verifies = int(any(item.num_drafts for item in output.scheduled))
-        self.lengths.costs.add(seconds, num_steps, num_tokens * num_steps, verifies,
+        self.lengths.costs.add(seconds, num_steps, num_tokens * num_steps, int(verifies),
                                draft_steps, draft_tokens, catch_up_tokens)
         self._time_against_plain(output, sampled, seconds)
 
