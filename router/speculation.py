@@ -32,8 +32,12 @@ drafts nothing for a while is tried again with one draft, after 16 steps, then 3
 (``RETRY_AFTER``): an unrelated draft model costs almost nothing once it has been found out
 (a try of every draft would cost a batch its draft model's k steps, ~1 ms each on an H100 at
 the 1B shape, where one costs one); tries fall on steps that are multiples of 16, so a batch's
-share their verify calls. Verify calls alone can't tell a plain step's cost from a verify's
-(the fit gives it all to the step, and drafts look free): when the fit holds no recent plain
+share their verify calls. A try is made only when its price, the draft's catch-up over every
+token it missed and a share of the verify call, is at most ``RETRY_SHARE`` of the plain time
+the sequence spent since its last one: at batch 64 on an H100 a 1B draft's catch-up alone is
+~3% of an 8B target's time per token, so a large batch never retries it. Verify calls alone
+can't tell a plain step's cost from a verify's (the fit gives it all to the step, and drafts
+look free): when the fit holds no recent plain
 call (``PLAIN_PROBE_BELOW``), the next step is plain. tests/router/test_speculation_dynamics.py
 runs these rules step after step against costs an H100 measured.
 """
@@ -51,6 +55,7 @@ ALPHA_MEMORY = 0.9  # each verified draft moves the estimate by 1 - this (at 0.8
 PLAIN_PROBE_BELOW = 0.1  # a plain call's weight in the fit below this: the next step is plain
 RETRY_AFTER = 16  # steps off before a sequence is tried again; doubled after each failed try
 MAX_RETRY_AFTER = 512
+RETRY_SHARE = 0.02  # the most of a paused sequence's plain time its next try may cost
 RCOND = 1e-12  # numerical noise of the solve, not a choice
 RIDGE = 1e-9  # what the calls leave open goes to the step (``_least_squares``)
 
@@ -133,6 +138,7 @@ class Acceptance:
     alpha: float = PRIOR_ALPHA
     steps_off: int = 0
     retry_after: int = RETRY_AFTER
+    seen: int = 0  # the sequence's tokens when it last drafted: the draft has seen those
 
 
 @dataclass
@@ -150,9 +156,12 @@ class DraftLength:
             self.proposer_seconds = 0.9 * self.proposer_seconds + 0.1 * per if \
                 self.proposer_seconds else per
 
-    def choose(self, request_ids: list[str], batch_size: int) -> dict[str, int]:
+    def choose(self, request_ids: list[str], batch_size: int,
+               num_tokens: list[int] | None = None) -> dict[str, int]:
         """Drafts for each of ``request_ids`` (those that may draft) next step, in a batch of
-        ``batch_size`` decodes: 0 .. max_drafts each."""
+        ``batch_size`` decodes: 0 .. max_drafts each. ``num_tokens``: each one's tokens (what
+        a draft model that resumes catches up on is those since it last drafted; without
+        them, one a step)."""
         if not self.adaptive:
             return dict.fromkeys(request_ids, self.max_drafts)
         seqs = [self.seqs.setdefault(request_id, Acceptance()) for request_id in request_ids]
@@ -168,9 +177,25 @@ class DraftLength:
         else:
             lengths = self._best_lengths(seqs, batch_size, fitted)
         chosen = {}
-        for request_id, seq, k in zip(request_ids, seqs, lengths, strict=True):
-            chosen[request_id] = k or self._retry(seq, self.steps)
+        for index, (request_id, seq, k) in enumerate(zip(request_ids, seqs, lengths,
+                                                          strict=True)):
+            tokens = num_tokens[index] if num_tokens is not None else seq.seen + seq.steps_off + 1
+            if not k:
+                pays = fitted is None or self._try_pays(tokens - seq.seen, batch_size, fitted)
+                k = self._retry(seq, self.steps, pays)
+            if k:
+                seq.seen = tokens
+            chosen[request_id] = k
         return chosen
+
+    def _try_pays(self, missed: int, batch_size: int, fitted: Costs) -> bool:
+        """A try of one draft for a sequence whose draft missed ``missed`` tokens costs at
+        most RETRY_SHARE of the plain time those tokens took (tries share their verify call
+        with the rest of the batch's)."""
+        a, b, c, g, h, u = fitted
+        plain_per_token = (a + b * batch_size) / batch_size
+        price = u * missed + b + h + self.proposer_seconds + (c + g) / batch_size
+        return price <= RETRY_SHARE * plain_per_token * missed
 
     def _best_lengths(self, seqs: list[Acceptance], batch_size: int,
                       fitted: Costs) -> list[int]:
@@ -205,13 +230,13 @@ class DraftLength:
         return [min(limit, best_cap) for limit in limits]
 
     @staticmethod
-    def _retry(seq: Acceptance, step: int) -> int:
+    def _retry(seq: Acceptance, step: int, pays: bool = True) -> int:
         """0, or 1 when a sequence off for long enough is tried again (the text may have
-        turned repetitive since). Tries fall on steps that are multiples of RETRY_AFTER, so
-        a batch's sequences are tried in the same verify calls, not each in one of its own
-        (every verify call costs the whole batch a single step)."""
+        turned repetitive since) and the try ``pays``. Tries fall on steps that are multiples
+        of RETRY_AFTER, so a batch's sequences are tried in the same verify calls, not each
+        in one of its own (every verify call costs the whole batch a single step)."""
         seq.steps_off += 1
-        if seq.steps_off < seq.retry_after or step % RETRY_AFTER:
+        if seq.steps_off < seq.retry_after or step % RETRY_AFTER or not pays:
             return 0
         seq.steps_off = 0
         seq.retry_after = min(seq.retry_after * 2, MAX_RETRY_AFTER)

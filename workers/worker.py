@@ -32,7 +32,7 @@ from workers.model_config import ModelConfig
 from workers.pending import Lookahead, PendingRead, copied_event, to_host
 from workers.request_state import RequestState, TokenHistory
 from workers.sampler import Sampler, SamplerOutput, SamplingSpec
-from workers.speculative.verify_step import merge_outputs, verify_rows
+from workers.speculative.verify_step import merge_outputs, verify_rows, warm_up_verify
 from workers.step_input import (
     NewRequest,
     ScheduledRequest,
@@ -170,6 +170,9 @@ class Worker:
             )
         if self.graphs is not None and self.draft is not None:
             self.draft.capture_graphs(self.config.max_num_seqs)
+        if self.config.num_speculative_tokens and self.device.type == "cuda" and self.is_driver:
+            warm_up_verify(self.config.num_speculative_tokens, self.hf_config.vocab_size,
+                           self.device)
         # a worker's start-up ends here: in a process of its own (a Ray actor) nothing else
         # freezes its model and graphs (workers/gc_freeze.py)
         freeze_start_up_objects()

@@ -31,7 +31,7 @@ def worker_config(config: EngineConfig, folder: Path,
         peer_sum_kernel=config.peer_sum_kernel, cpu_threads=config.cpu_threads,
         gpu_fraction=config.gpu_fraction, cpu_shard_cpus=config.cpu_shard_cpus,
         draft_model_path=draft,
-        num_speculative_tokens=speculation.num_speculative_tokens if draft else 0,
+        num_speculative_tokens=0 if speculation is None else speculation.num_speculative_tokens,
         host_kv_cache_bytes=host_bytes_per_shard(config),
         disk_kv_cache_dir=config.disk_kv_cache_dir, model_config=model_config,
     )

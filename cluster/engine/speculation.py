@@ -132,7 +132,8 @@ class Speculator:
         candidates = [seq for seq in running if can_speculate(seq)]
         if not candidates:
             return
-        chosen = self.lengths.choose([seq.request_id for seq in candidates], len(running))
+        chosen = self.lengths.choose([seq.request_id for seq in candidates], len(running),
+                                     [seq.num_tokens for seq in candidates])
         asked, started = 0, time.perf_counter()
         for seq in candidates:
             k = chosen[seq.request_id]

@@ -8,7 +8,9 @@ from router.speculation import (
     ALPHA_MEMORY,
     PRIOR_ALPHA,
     RETRY_AFTER,
+    RETRY_SHARE,
     Acceptance,
+    Costs,
     DraftLength,
     StepCosts,
 )
@@ -215,3 +217,46 @@ def test_a_fixed_length_when_not_adaptive_and_the_most_before_any_call():
     fresh.record("a", num_drafts=3, num_accepted=1)  # kept 1, the 2nd rejected, the 3rd untried
     memory = ALPHA_MEMORY
     assert fresh.seqs["a"].alpha == pytest.approx((memory * PRIOR_ALPHA + 1 - memory) * memory)
+
+
+class KnownCosts(StepCosts):
+    """Costs as given (a, b, c, g, h, u), with plain calls in the fit."""
+
+    def __init__(self, *costs: float) -> None:
+        super().__init__(plain=1.0)
+        self.known = Costs(*costs)
+
+    def fit(self) -> Costs:
+        return self.known
+
+
+def tries_of_a_paused_sequence(batch: int, costs: KnownCosts, steps: int) -> list[int]:
+    """The steps at which a sequence whose draft is always wrong is tried; it makes one
+    token a step, from 100."""
+    lengths = DraftLength(max_drafts=4, costs=costs)
+    lengths.seqs["bad"] = Acceptance(alpha=0.0, seen=100)
+    tried = []
+    for step in range(1, steps + 1):
+        if lengths.choose(["bad"], batch_size=batch, num_tokens=[100 + step])["bad"]:
+            tried.append(step)
+            lengths.record("bad", num_drafts=1, num_accepted=0)
+    return tried
+
+
+def test_a_try_waits_until_its_catch_up_and_verify_cost_at_most_a_share_of_the_plain_time():
+    # batch 1, a 5 ms step: a try costs 1 ms of draft token, 2 ms of verify call and draft
+    # step, and 0.05 ms a missed token; RETRY_SHARE of 5 ms a token pays for it from 60
+    # missed tokens: the first aligned step past both 16 steps off and 60 tokens is 64, the
+    # next (32 steps off, 60 tokens) 128, then 64 steps off: 192
+    costs = KnownCosts(5e-3, 0.0, 1e-3, 1e-3, 1e-3, 0.05e-3)
+    assert RETRY_SHARE * 5e-3 * 60 == pytest.approx(1e-3 + 2e-3 + 0.05e-3 * 60)
+    assert tries_of_a_paused_sequence(1, costs, 200) == [64, 128, 192]
+
+
+def test_at_a_large_batch_a_draft_whose_catch_up_costs_more_than_the_share_is_never_tried():
+    # batch 64: a token of plain decoding costs 5 ms / 64; the catch-up alone, 3 us a token
+    # (an H100's 1B draft beside an 8B target), is ~4% of it
+    costs = KnownCosts(5e-3, 0.0, 8e-3, 4.8e-3, 0.0, 3e-6)
+    assert tries_of_a_paused_sequence(64, costs, 2000) == []
+    assert tries_of_a_paused_sequence(64, KnownCosts(5e-3, 0.0, 8e-3, 4.8e-3, 0.0, 0.0),
+                                      2000)  # a free catch-up (prompt lookup): tried

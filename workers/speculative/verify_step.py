@@ -72,6 +72,25 @@ def verify_rows(logits: torch.Tensor, starts: Sequence[int], drafts: Sequence[li
     return PendingTokens(host_tokens, host_counts, copied_event(tokens))
 
 
+@torch.inference_mode()
+def warm_up_verify(max_drafts: int, vocab: int, device: torch.device,
+                   dtypes: Sequence[torch.dtype] = (torch.float32, torch.bfloat16)) -> None:
+    """Runs verification's kernels once at start-up (greedy and sampled, 1..max_drafts drafts,
+    one row and two): their first call compiles and loads them (~0.1 s on an H100), which a
+    run that speculates rarely would otherwise pay in its first verify step."""
+    generator = torch.Generator(device=device)
+    for dtype in dtypes:
+        for k in range(1, max_drafts + 1):
+            for batch in (1, 2):
+                logits = torch.zeros(batch * (k + 1), vocab, dtype=dtype, device=device)
+                draft_ids = torch.zeros(batch, k, dtype=torch.int64, device=device)
+                num_drafts = torch.full((batch,), k, dtype=torch.int64, device=device)
+                verify_greedy(greedy(logits).view(batch, k + 1), draft_ids, num_drafts)
+                probs = logits.float().softmax(dim=-1).view(batch, k + 1, vocab)
+                verify(probs, draft_ids, num_drafts, None, [None] * batch, generator)
+    torch.cuda.synchronize(device)
+
+
 def merge_outputs(request_ids: list[str], plain: list[int], plain_out: StepOutput | None,
                   spec: list[int], spec_tokens: list[list[int]]) -> StepOutput:
     """One StepOutput in the batch's order. Verified rows never ask for logprobs (the engine

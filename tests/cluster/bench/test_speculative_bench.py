@@ -49,3 +49,17 @@ def test_w5_an_unrelated_draft_model_pays_its_cost_while_the_oracle_proposes(tin
     (result,) = json.loads(output.read_text())["results"]
     assert result["tokens_per_verify"] == 3.0 and result["fixed_point"]
     assert result["rounds"] == 1  # float32: the plain run's tokens are the answers already
+
+
+def test_w5_beside_fixed_runs_every_fixed_k_then_adaptive_in_one_engine(tiny_models, tmp_path):
+    output = tmp_path / "w5-sweep.json"
+    assert main(["bench", "speculative", "--model", str(tiny_models["llama"]), "--device", "cpu",
+                 "--batch-sizes", "2", "--k", "1,3", "--alpha", "1.0", "--beside-fixed",
+                 "--input-len", "8", "--output-len", "18", "--output", str(output)]) == 0
+    runs = json.loads(output.read_text())["results"]
+    assert [(r["adaptive"], r["k"]) for r in runs] == [(False, 1), (False, 3), (True, 3)]
+    # every draft right: fixed k 1 and 3 keep all (2 and 4 tokens a verify), and adaptive,
+    # which can never verify more than 3 drafts, keeps every one it makes
+    assert [r["tokens_per_verify"] for r in runs[:2]] == [2.0, 4.0]
+    assert runs[2]["measured_alpha"] == 1.0
+    assert all(r["rows_equal_to_plain"] == 2 for r in runs)

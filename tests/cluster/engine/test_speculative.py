@@ -299,7 +299,7 @@ class EveryThird:
     def __init__(self, k: int) -> None:
         self.k, self.calls = k, 0
 
-    def __call__(self, request_ids, batch_size):  # type: ignore[no-untyped-def]
+    def __call__(self, request_ids, batch_size, num_tokens=None):  # type: ignore[no-untyped-def]
         self.calls += 1
         return dict.fromkeys(request_ids, self.k if self.calls % 3 == 0 else 0)
 
