@@ -52,6 +52,8 @@ PRIOR_ALPHA = 0.6  # before a sequence has verified anything: the brief's break-
 ALPHA_MEMORY = 0.9  # each verified draft moves the estimate by 1 - this (at 0.8, H100: a
 # sequence of true alpha 0.8 read as below its break-even, 0.55, often enough to pause 3/4 of
 # its steps)
+POOL_MEMORY = 0.98  # the draft's acceptance over every sequence: each observation's weight
+POOL_PRIOR_WEIGHT = 10.0  # decays by this a later one; the prior weighs as 10 observations
 PLAIN_PROBE_BELOW = 0.1  # a plain call's weight in the fit below this: the next step is plain
 RETRY_AFTER = 16  # steps off before a sequence is tried again; doubled after each failed try
 MAX_RETRY_AFTER = 512
@@ -135,7 +137,14 @@ def _loss(gram: np.ndarray, target: np.ndarray, theta: np.ndarray) -> float:
 
 @dataclass
 class Acceptance:
+    """A sequence's acceptance: a moving average of its observations that started from a
+    prior, ``prior`` the share of ``alpha`` that still is that prior. The prior a decision
+    reads is the draft's acceptance over every sequence (``DraftLength.pool_alpha``): at batch
+    8 an unrelated draft is found out in one verify call (8 observations), where each
+    sequence's own would take ~17."""
+
     alpha: float = PRIOR_ALPHA
+    prior: float = 0.0
     steps_off: int = 0
     retry_after: int = RETRY_AFTER
     seen: int = 0  # the sequence's tokens when it last drafted: the draft has seen those
@@ -148,6 +157,8 @@ class DraftLength:
     costs: StepCosts = field(default_factory=StepCosts)
     seqs: dict[str, Acceptance] = field(default_factory=dict)
     proposer_seconds: float = 0.0  # p: host time per sequence asked (moving average)
+    pool_alpha: float = PRIOR_ALPHA  # the draft's acceptance over every sequence's drafts
+    pool_weight: float = POOL_PRIOR_WEIGHT
     steps: int = 0  # choose's calls: the clock the tries keep
 
     def observe_proposer(self, seconds: float, asked: int) -> None:
@@ -164,7 +175,7 @@ class DraftLength:
         them, one a step)."""
         if not self.adaptive:
             return dict.fromkeys(request_ids, self.max_drafts)
-        seqs = [self.seqs.setdefault(request_id, Acceptance()) for request_id in request_ids]
+        seqs = [self._seq(request_id) for request_id in request_ids]
         self.steps += 1
         fitted = self.costs.fit()
         lengths = [0] * len(seqs)
@@ -207,19 +218,19 @@ class DraftLength:
         plain_rate = batch_size / plain_time
         per_draft = b + h
         # each sequence's own limit: its j-th draft beats the plain rate on its own
+        alphas = [self.estimate(seq) for seq in seqs]
         limits = []
-        for seq in seqs:
+        for alpha in alphas:
             k, chance = 0, 1.0
-            while k < self.max_drafts and seq.alpha > 0 and (
-                    chance * seq.alpha >= per_draft * plain_rate):
-                chance *= seq.alpha
+            while k < self.max_drafts and alpha > 0 and chance * alpha >= per_draft * plain_rate:
+                chance *= alpha
                 k += 1
             limits.append(k)
         best_rate, best_cap = plain_rate, 0
         for cap in range(1, max(limits, default=0) + 1):
             lengths = [min(limit, cap) for limit in limits]
-            gain = sum(sum(seq.alpha ** j for j in range(1, k + 1))
-                       for seq, k in zip(seqs, lengths, strict=True))
+            gain = sum(sum(alpha ** j for j in range(1, k + 1))
+                       for alpha, k in zip(alphas, lengths, strict=True))
             drafts = sum(lengths)
             asked = sum(1 for k in lengths if k)
             catch_up = u * (asked + gain)
@@ -246,13 +257,28 @@ class DraftLength:
         """One verify of ``num_drafts`` drafts that kept ``num_accepted``: each draft up to
         the first rejected one is an observation of alpha (those after it were not tried).
         Any accepted draft brings the retry wait back to its start."""
-        seq = self.seqs.setdefault(request_id, Acceptance())
+        seq = self._seq(request_id)
         tried = min(num_accepted + 1, num_drafts)
         for index in range(tried):
             accepted = 1.0 if index < num_accepted else 0.0
             seq.alpha = ALPHA_MEMORY * seq.alpha + (1 - ALPHA_MEMORY) * accepted
+            seq.prior *= ALPHA_MEMORY
+            kept = POOL_MEMORY * self.pool_weight
+            self.pool_weight = kept + 1
+            self.pool_alpha = (kept * self.pool_alpha + accepted) / self.pool_weight
         if num_accepted:
             seq.retry_after = RETRY_AFTER
+
+    def _seq(self, request_id: str) -> Acceptance:
+        seq = self.seqs.get(request_id)
+        if seq is None:
+            seq = self.seqs[request_id] = Acceptance(prior=1.0)
+        return seq
+
+    def estimate(self, seq: Acceptance) -> float:
+        """The sequence's acceptance, its prior share read as the draft's over every
+        sequence."""
+        return min(1.0, max(0.0, seq.alpha + seq.prior * (self.pool_alpha - PRIOR_ALPHA)))
 
     def forget(self, request_id: str) -> None:
         self.seqs.pop(request_id, None)

@@ -260,3 +260,23 @@ def test_at_a_large_batch_a_draft_whose_catch_up_costs_more_than_the_share_is_ne
     assert tries_of_a_paused_sequence(64, costs, 2000) == []
     assert tries_of_a_paused_sequence(64, KnownCosts(5e-3, 0.0, 8e-3, 4.8e-3, 0.0, 0.0),
                                       2000)  # a free catch-up (prompt lookup): tried
+
+
+def test_sequences_that_start_together_learn_from_each_others_drafts():
+    # batch 8, an H100's 8B target and 1B draft: the first verify call (every sequence
+    # rejects its first draft) is evidence about the draft, 8 observations, not 1 each
+    h100 = (5.4e-3, 0.03e-3, 0.75e-3, 0.95e-3, 0.04e-3, 0.013e-3)
+    lengths = DraftLength(max_drafts=4, costs=KnownCosts(*h100))
+    rows = [f"r{i}" for i in range(8)]
+    first = lengths.choose(rows, batch_size=8)
+    assert set(first.values()) == {2}  # the prior, 0.6
+    for row in rows:
+        lengths.record(row, num_drafts=2, num_accepted=0)
+    assert lengths.pool_alpha == pytest.approx(0.32, abs=0.005)
+    assert lengths.estimate(lengths.seqs["r0"]) == pytest.approx(0.29, abs=0.005)
+    assert lengths.choose(rows, batch_size=8) == dict.fromkeys(rows, 0)
+    # each on its own evidence, one rejection leaves a sequence at 0.54: the batch drafts on
+    assert lengths.seqs["r0"].alpha == pytest.approx(0.54)
+    alone = DraftLength(max_drafts=4, costs=KnownCosts(*h100))
+    alone.seqs = {row: Acceptance(alpha=0.54) for row in rows}
+    assert set(alone.choose(rows, batch_size=8).values()) == {1}
