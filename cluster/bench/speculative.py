@@ -120,21 +120,20 @@ def oracle_run(llm, prompts, plain_tokens, alpha: float, vocab: int,  # type: ig
     measured (``held_decisions``), so the rounds reach a fixed point as fixed k does."""
     speculator = llm.engine.speculator
     answers = {tuple(p): t for p, t in zip(prompts, plain_tokens, strict=True)}
-    held = None
+    held = HeldDecisions(speculator.lengths) if speculator.lengths.adaptive else None
     try:
         for rounds in range(1, MAX_ROUNDS + 1):
-            if held is not None:
-                held.restore()
             speculator.proposer = Oracle(answers, alpha, vocab,
                                          draft_model=speculator.draft_model is not None)
             run = counted(llm, prompts, output_len)
-            if held is None and speculator.lengths.adaptive:
-                held = HeldDecisions(speculator.lengths)
+            if held is not None:
+                held.hold_costs()  # as the first round measured them
+                held.restore()
             if run["tokens"] == list(answers.values()):
                 for _ in range(repeats - 1):  # the same decisions again: the fastest counts
+                    again = counted(llm, prompts, output_len)
                     if held is not None:
                         held.restore()
-                    again = counted(llm, prompts, output_len)
                     if again["seconds"] < run["seconds"]:
                         run |= again
                 return run | {"rounds": rounds, "fixed_point": True}
@@ -146,17 +145,27 @@ def oracle_run(llm, prompts, plain_tokens, alpha: float, vocab: int,  # type: ig
 
 
 class HeldDecisions:
-    """Adaptive speculation's state held as it is now: the fitted costs, the draft's pooled
-    acceptance, the proposer's time and the step clock are put back before each run."""
+    """Adaptive speculation's state, held: what a run learns of acceptance (the draft's pooled
+    acceptance, the proposer's time, the step clock) is put back after each run, so every
+    round starts where the first did (a round whose oracle still errs would otherwise teach
+    the next that the draft is bad), and the fitted costs are held as the first round left
+    them. With the fit held there is nothing for a plain probe to measure: none is made (a fit
+    of mostly verify calls would otherwise probe at every step)."""
 
     def __init__(self, lengths) -> None:  # type: ignore[no-untyped-def]
         self.lengths, costs = lengths, lengths.costs
-        self.fitted = costs.fit()
         self.state = (lengths.pool_alpha, lengths.pool_weight, lengths.proposer_seconds,
                       lengths.steps)
-        self.add, self.fit = costs.add, costs.fit
+        self.add, self.fit, self.plain = costs.add, costs.fit, costs.plain
+        self.held = False
+
+    def hold_costs(self) -> None:
+        if self.held:
+            return
+        costs, fitted = self.lengths.costs, self.lengths.costs.fit()
         costs.add = lambda *args, **kwargs: None
-        costs.fit = lambda: self.fitted
+        costs.fit = lambda: fitted
+        self.plain, costs.plain, self.held = costs.plain, 1.0, True
 
     def restore(self) -> None:
         lengths = self.lengths
@@ -164,7 +173,8 @@ class HeldDecisions:
          lengths.steps) = self.state
 
     def release(self) -> None:
-        self.lengths.costs.add, self.lengths.costs.fit = self.add, self.fit
+        costs = self.lengths.costs
+        costs.add, costs.fit, costs.plain = self.add, self.fit, self.plain
 
 
 def plain_runs(setup, batches: list[int], args) -> dict[int, tuple[list, list, float]]:  # type: ignore[no-untyped-def]
