@@ -249,7 +249,7 @@ def test_a_try_waits_until_its_catch_up_and_verify_cost_at_most_a_share_of_the_p
     # missed tokens: the first aligned step past both 16 steps off and 60 tokens is 64, the
     # next (32 steps off, 60 tokens) 128, then 64 steps off: 192
     costs = KnownCosts(5e-3, 0.0, 1e-3, 1e-3, 1e-3, 0.05e-3)
-    assert RETRY_SHARE * 5e-3 * 60 == pytest.approx(1e-3 + 2e-3 + 0.05e-3 * 60)
+    assert pytest.approx(1e-3 + 2e-3 + 0.05e-3 * 60) == RETRY_SHARE * 5e-3 * 60
     assert tries_of_a_paused_sequence(1, costs, 200) == [64, 128, 192]
 
 

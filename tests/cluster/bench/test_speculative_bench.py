@@ -54,7 +54,8 @@ def test_w5_an_unrelated_draft_model_pays_its_cost_while_the_oracle_proposes(tin
 def test_w5_beside_fixed_runs_every_fixed_k_then_adaptive_in_one_engine(tiny_models, tmp_path):
     output = tmp_path / "w5-sweep.json"
     assert main(["bench", "speculative", "--model", str(tiny_models["llama"]), "--device", "cpu",
-                 "--batch-sizes", "2", "--k", "1,3", "--alpha", "1.0", "--beside-fixed", "--repeats", "2",
+                 "--batch-sizes", "2", "--k", "1,3", "--alpha", "1.0", "--beside-fixed",
+                 "--repeats", "2",
                  "--input-len", "8", "--output-len", "18", "--output", str(output)]) == 0
     runs = json.loads(output.read_text())["results"]
     assert [(r["adaptive"], r["k"]) for r in runs] == [(False, 1), (False, 3), (True, 3)]
