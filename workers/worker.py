@@ -6,6 +6,7 @@ The same class runs in the engine's process (one device) and inside a Ray actor 
 
 import time
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -42,6 +43,9 @@ from workers.step_input import (
 from workers.structured.masks import LogitConstraints
 from workers.worker_config import WorkerConfig, make_attention_backend
 
+if TYPE_CHECKING:
+    from workers.speculative.eagle.drafter import EagleDrafter
+
 
 class Worker:
     def __init__(self, config: WorkerConfig, tp: TensorParallelGroup | None = None) -> None:
@@ -76,13 +80,27 @@ class Worker:
         # DraftModel, on rank 0 alone: it drafts where a step asks (num_model_drafts) and
         # broadcasts the drafts to the other ranks
         self.draft = None
+        self.eagle: EagleDrafter | None = None  # an EAGLE head: drafts from the target's features
         if config.draft_model_path is not None and self.is_driver:
-            from workers.speculative.draft_model import DraftModel
-
-            self.draft = DraftModel(config.draft_model_path, self.dtype, self.device, backend,
-                                    config.num_speculative_tokens, config.block_size)
+            self.draft = self._make_draft(backend)
+        # a target that feeds an EAGLE head runs eagerly for now: its features are not yet
+        # outputs of its graphs
         self.uses_graphs = (self.device.type == "cuda" and not config.enforce_eager
-                            and backend.name == "triton")
+                            and backend.name == "triton" and config.draft_method == "draft_model")
+
+    def _make_draft(self, backend):  # type: ignore[no-untyped-def]
+        config = self.config
+        if config.draft_method in ("eagle", "eagle3"):
+            from workers.speculative.eagle.drafter import EagleDrafter
+
+            self.eagle = EagleDrafter(config.draft_model_path, config.draft_method, self.model,
+                                      self.hf_config, self.dtype, self.device, backend,
+                                      config.num_speculative_tokens, config.block_size)
+            return self.eagle
+        from workers.speculative.draft_model import DraftModel
+
+        return DraftModel(config.draft_model_path, self.dtype, self.device, backend,
+                          config.num_speculative_tokens, config.block_size)
 
     def _use_device(self) -> None:
         """Makes this worker's GPU the calling thread's current device. Triton launches, graph
@@ -295,6 +313,8 @@ class Worker:
                 return self._sample_and_read(rows.request_ids, hidden)
         batch = build_input_batch(scheduled, self.states, self.config.block_size, self.device)
         hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
+        if self.eagle is not None:
+            self.eagle.store(batch.meta.slot_mapping, hidden)
         if not batch.sample_request_ids:
             return StepOutput([], []) if self.is_driver else None
         if batch.draft_token_ids is not None:
@@ -413,8 +433,11 @@ class Worker:
                 raise ValueError(f"no slot allocated for the lookahead step of '{request_id}'")
 
     def _forward_decode(self, rows: DecodeRows, input_ids: torch.Tensor | None) -> torch.Tensor:
-        return forward_decode_rows(self.model, self.kv_caches, self.graphs, rows, self.device,
-                                   input_ids)
+        hidden = forward_decode_rows(self.model, self.kv_caches, self.graphs, rows, self.device,
+                                     input_ids)
+        if self.eagle is not None:
+            self.eagle.store(to_device(rows.slots, self.device), hidden)
+        return hidden
 
     def _sample_and_read(self, request_ids: list[str], hidden: torch.Tensor) -> StepOutput | None:
         logits = self.model.compute_logits(hidden)  # a collective under TP

@@ -30,6 +30,7 @@ class WorkerConfig:
     seed: int = 0
     max_model_len: int | None = None  # the longest sequence; None: the model's own length
     draft_model_path: str | None = None  # speculative decoding's draft model, beside the target
+    draft_method: str = "draft_model"  # draft_model, or eagle / eagle3: the path is a head
     num_speculative_tokens: int = 0  # the most drafts a row verifies (0: no speculation)
     host_kv_cache_bytes: int = 0  # this shard's host buffer for offloaded KV blocks; 0: none
     disk_kv_cache_dir: str | None = None  # block files below the host buffer (needs one)

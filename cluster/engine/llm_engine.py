@@ -82,7 +82,13 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(self.model_path)
         self.eos_token_ids = eos_token_ids(self.model_path, self.tokenizer)
         speculation = config.speculation
-        if speculation is not None and speculation.model is not None:
+        if speculation is not None and speculation.uses_head:  # refused before shards start
+            from workers.speculative.eagle.head_config import read_head_config
+
+            assert speculation.model is not None
+            read_head_config(resolve_model(speculation.model, config.cache_dir), hf_config,
+                             speculation.method, config.max_model_len)
+        elif speculation is not None and speculation.model is not None:
             check_draft_before_download(speculation.model, hf_config)
             check_draft_model(resolve_model(speculation.model, config.cache_dir), hf_config)
         check_tensor_parallel(hf_config, config.tensor_parallel_size)  # before shards start

@@ -2,7 +2,6 @@
 and run over the paged KV cache, against a reference forward of each written here (plain
 PyTorch, whole-sequence causal attention, no engine code)."""
 
-import json
 from dataclasses import dataclass
 
 import pytest
@@ -10,6 +9,7 @@ import torch
 from safetensors.torch import save_file
 from transformers import LlamaConfig
 
+from tests.eagle_heads import DRAFT_VOCAB, HEADS, KV_HEADS, VOCAB, H, write_head
 from workers.attention.reference import ReferenceAttentionBackend
 from workers.input_batch import build_input_batch
 from workers.kv_cache import allocate_kv_caches
@@ -18,75 +18,9 @@ from workers.speculative.eagle.head_config import default_aux_layers, read_head_
 from workers.speculative.eagle.head_weights import head_tensors
 from workers.step_input import ScheduledRequest
 
-H, HEADS, KV_HEADS, INTER, VOCAB, DRAFT_VOCAB = 64, 4, 2, 96, 101, 16
 TARGET = LlamaConfig(hidden_size=H, intermediate_size=128, num_hidden_layers=8,
                      num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, vocab_size=VOCAB,
                      max_position_embeddings=512, rope_theta=10000.0)
-LAYER = dict(hidden_size=H, intermediate_size=INTER, num_hidden_layers=1,
-             num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, vocab_size=VOCAB,
-             rope_theta=10000.0, max_position_embeddings=64, rms_norm_eps=1e-6)
-
-
-def random_layer(prefix: str, q_in: int, generator: torch.Generator,
-                 input_norm: bool, hidden_norm: bool) -> dict[str, torch.Tensor]:
-    head_dim = H // HEADS
-
-    def rand(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=generator) * 0.2
-
-    tensors = {
-        f"{prefix}self_attn.q_proj.weight": rand(HEADS * head_dim, q_in),
-        f"{prefix}self_attn.k_proj.weight": rand(KV_HEADS * head_dim, q_in),
-        f"{prefix}self_attn.v_proj.weight": rand(KV_HEADS * head_dim, q_in),
-        f"{prefix}self_attn.o_proj.weight": rand(H, HEADS * head_dim),
-        f"{prefix}mlp.gate_proj.weight": rand(INTER, H),
-        f"{prefix}mlp.up_proj.weight": rand(INTER, H),
-        f"{prefix}mlp.down_proj.weight": rand(H, INTER),
-        f"{prefix}post_attention_layernorm.weight": 1 + rand(H),
-    }
-    if input_norm:
-        tensors[f"{prefix}input_layernorm.weight"] = 1 + rand(H)
-    if hidden_norm:
-        tensors[f"{prefix}hidden_norm.weight"] = 1 + rand(H)
-    return tensors
-
-
-def write_head(folder, layout: str, fc_bias: bool = False, bin_file: bool = False,
-               norm_before_residual: bool = False, config_extra: dict | None = None):
-    """A random head in ``layout``; returns its tensors by their checkpoint names."""
-    generator = torch.Generator().manual_seed(hash(layout) % 1000)
-    folder.mkdir(parents=True, exist_ok=True)
-    if layout == "eagle1":
-        tensors = random_layer("layers.0.", H, generator, input_norm=False, hidden_norm=False)
-        tensors["fc.weight"] = torch.randn(H, 2 * H, generator=generator) * 0.2
-        tensors["embed_tokens.weight"] = torch.randn(VOCAB, H, generator=generator)
-        config = dict(LAYER, architectures=["LlamaForCausalLM"], bias=fc_bias)
-    else:
-        prefix = "midlayer." if layout == "eagle3" else "layers.0."
-        tensors = random_layer(prefix, 2 * H, generator, input_norm=True, hidden_norm=True)
-        tensors["fc.weight"] = torch.randn(H, 3 * H, generator=generator) * 0.1
-        tensors["norm.weight"] = 1 + torch.randn(H, generator=generator) * 0.2
-        tensors["lm_head.weight"] = torch.randn(DRAFT_VOCAB, H, generator=generator)
-        draft_ids = torch.randperm(VOCAB, generator=generator)[:DRAFT_VOCAB].sort().values
-        tensors["d2t"] = draft_ids - torch.arange(DRAFT_VOCAB)
-        tensors["t2d"] = torch.zeros(VOCAB, dtype=torch.bool).index_fill_(0, draft_ids, True)
-        if layout == "eagle3":
-            config = dict(LAYER, architectures=["LlamaForCausalLMEagle3"],
-                          draft_vocab_size=DRAFT_VOCAB)
-        else:
-            config = {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
-                      "transformer_layer_config": LAYER, "draft_vocab_size": DRAFT_VOCAB,
-                      "norm_before_residual": norm_before_residual,
-                      "target_hidden_size": H}
-    if fc_bias:
-        tensors["fc.bias"] = torch.randn(H, generator=generator) * 0.1
-    config.update(config_extra or {})
-    (folder / "config.json").write_text(json.dumps(config))
-    if bin_file:
-        torch.save(tensors, folder / "pytorch_model.bin")
-    else:
-        save_file(tensors, str(folder / "model.safetensors"))
-    return tensors
 
 
 # -- the reference: the anchors' forward, whole sequence, written from their description --
@@ -142,14 +76,25 @@ def reference_eagle3(w: dict, prefix: str, embedding: torch.Tensor, tokens: torc
     """Logits over the target's vocabulary (-inf outside the draft's): fc over the three
     features, attention over concat(norm(embedding), norm(hidden)), the final norm, the
     head's own lm_head through d2t."""
+    stream = eagle3_stream(w, prefix, embedding, tokens, features @ w["fc.weight"].T,
+                           norm_before_residual)
+    return eagle3_logits(w, stream, len(embedding))
+
+
+def eagle3_stream(w: dict, prefix: str, embedding: torch.Tensor, tokens: torch.Tensor,
+                  hidden: torch.Tensor, norm_before_residual: bool) -> torch.Tensor:
+    """The pre-norm output stream, from each position's hidden input (fc of the target's
+    features, or the head's own stream from the position before)."""
     positions = torch.arange(len(tokens))
-    hidden = features @ w["fc.weight"].T
     normed = rms(hidden, w[f"{prefix}hidden_norm.weight"])
     x = torch.cat([rms(embedding[tokens], w[f"{prefix}input_layernorm.weight"]), normed], -1)
     stream = (normed if norm_before_residual else hidden) + attention(x, w, prefix, positions)
-    stream = stream + mlp(rms(stream, w[f"{prefix}post_attention_layernorm.weight"]), w, prefix)
+    return stream + mlp(rms(stream, w[f"{prefix}post_attention_layernorm.weight"]), w, prefix)
+
+
+def eagle3_logits(w: dict, stream: torch.Tensor, vocab: int) -> torch.Tensor:
     draft = rms(stream, w["norm.weight"]) @ w["lm_head.weight"].T
-    full = torch.full((len(tokens), VOCAB), -torch.inf)
+    full = torch.full((len(stream), vocab), -torch.inf)
     full[:, torch.arange(DRAFT_VOCAB) + w["d2t"]] = draft
     return full
 

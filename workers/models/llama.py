@@ -288,6 +288,10 @@ class LlamaModel(nn.Module):
         self.norm = make_norm(config.hidden_size, config.rms_norm_eps, fused)
         self.rotary_emb = RotaryEmbedding(config, head_dim_of(config))
         self.norms_folded = False
+        # EAGLE-3's features (workers/speculative/eagle/): the residual stream entering these
+        # layers, concatenated in their order, kept in aux_features after each forward
+        self.aux_layers: tuple[int, ...] = ()
+        self.aux_features: torch.Tensor | None = None
         # a state dict holds the checkpoint's weights: loading one unfolds them
         self.register_load_state_dict_pre_hook(lambda *_: setattr(self, "norms_folded", False))
         if fused:  # rows of one token take the fused matrix-vector kernels
@@ -314,24 +318,39 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)  # (T, hidden)
         cos, sin = self.rotary_emb(positions, hidden.dtype)  # (T, head_dim) each
+        streams: dict[int, torch.Tensor] = {}  # the residual stream entering aux_layers
+        aux = self.aux_layers
         if self.fused:
             if not self.norms_folded:
                 raise RuntimeError("a fused model runs with its norm weights folded into its "
                                    "projections: call fold_norm_weights() after loading weights")
-            layers = zip(self.layers, kv_caches, strict=True)
+            layers = enumerate(zip(self.layers, kv_caches, strict=True))
             if hidden.shape[0] == 1:
                 residual = None
-                for layer, cache in layers:
+                for index, (layer, cache) in layers:
+                    if index in aux:
+                        streams[index] = hidden if residual is None else hidden + residual
                     hidden, residual = layer.forward_one_token(
                         hidden, residual, cos, sin, cache, meta
                     )
+                self._keep_aux(streams)
                 return self.norm(hidden, residual)[0]
-            for layer, cache in layers:
+            for index, (layer, cache) in layers:
+                if index in aux:
+                    streams[index] = hidden.clone()  # the layer adds into it in place
                 hidden = layer.forward_fused(hidden, cos, sin, cache, meta)
+            self._keep_aux(streams)
             return self.norm(hidden)
-        for layer, cache in zip(self.layers, kv_caches, strict=True):
+        for index, (layer, cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            if index in aux:
+                streams[index] = hidden
             hidden = layer(hidden, cos, sin, cache, meta)
+        self._keep_aux(streams)
         return self.norm(hidden)
+
+    def _keep_aux(self, streams: dict[int, torch.Tensor]) -> None:
+        if self.aux_layers:
+            self.aux_features = torch.cat([streams[i] for i in self.aux_layers], dim=-1)
 
 
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:

@@ -156,7 +156,9 @@ def test_rows_with_logprobs_or_penalties_do_not_draft(tiny_models):
 
 
 @pytest.mark.parametrize("config, message", [
-    ({"method": "eagle"}, "speculative method must be one of ngram, draft_model, got 'eagle'"),
+    ({"method": "medusa"},
+     "speculative method must be one of ngram, draft_model, eagle, eagle3, got 'medusa'"),
+    ({"method": "eagle"}, "method 'eagle' needs a draft 'model'"),
     ({"num_speculative_tokens": 9}, "num_speculative_tokens must be in [1, 8], got 9"),
     ({"prompt_lookup_min": 3, "prompt_lookup_max": 2},
      "prompt_lookup_max (2) must be at least prompt_lookup_min (3)"),

@@ -120,6 +120,21 @@ def read_head_config(folder: Path, target: "PretrainedConfig",
     return config
 
 
+def head_method_in(folder: Path) -> str | None:
+    """"eagle3" or "eagle" when ``folder`` holds an EAGLE head, else None (a model): an
+    EAGLE-3 layout, or EAGLE-1's fc without an lm_head."""
+    path = folder / "config.json"
+    try:
+        raw = json.loads(path.read_text())
+        names = checkpoint_names(folder)
+    except (OSError, ValueError):
+        return None
+    if layout_of(raw, names) != "eagle1":
+        return "eagle3"
+    canonical = {canonical_name(name) for name in names}
+    return "eagle" if "fc.weight" in canonical and "lm_head.weight" not in canonical else None
+
+
 def layout_of(raw: dict, tensor_names: set[str]) -> str:
     if raw.get("speculators_model_type") or "transformer_layer_config" in raw:
         return "speculators"

@@ -1,0 +1,153 @@
+"""Drafting with an EAGLE head in the target's worker (rank 0), in the draft model's place:
+the same calls (``draft``, ``release``, ``allocate``), the same rule that a step without
+drafts never touches it.
+
+Every forward of the target stores its features (EAGLE-1: the final normed hidden state;
+EAGLE-3: the residual stream entering the head's three layers) into a paged feature cache
+indexed, like the KV cache, by the target's slots (``store``): a sequence's features stay
+wherever its blocks do, a prefix hit finds them with the blocks it reuses (they are a function
+of the prefix), and a sequence that drafts after a pause finds every feature it missed.
+
+A row drafts at the start of the step that verifies: it has tokens t_0..t_{L-1}, of which the
+target computed (and stored features for) positions 0..L-2. The head catches up in one forward
+over the positions it has not seen with true features, position p taking (t_{p+1}, f_p), up
+to L - 2, whose output gives the first draft (the token at L); then each further draft is one
+step at the next position, fed the draft before it and the head's own output as the feature.
+Those chained positions hold K/V made from predicted features: the next drafting computes
+them again from the target's (their slots are simply overwritten), so only positions up to
+L - 2 count as known.
+"""
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from workers.input_batch import (
+    DecodeRows,
+    block_table_array,
+    build_input_batch,
+    decode_batch,
+    slots_of,
+)
+from workers.kv_cache import KVCaches, allocate_kv_caches, kv_bytes_per_block
+from workers.speculative.draft_model import RowState
+from workers.speculative.eagle.head import EagleHead
+from workers.speculative.eagle.head_config import read_head_config
+from workers.speculative.eagle.head_weights import head_tensors
+from workers.step_input import ScheduledRequest
+
+
+class ShiftedRow:
+    """A row's tokens one place on: position p's input is token p + 1 (EAGLE's pairing of a
+    position's feature with the token after it)."""
+
+    def __init__(self, state: RowState) -> None:
+        self.token_ids = state.token_ids[1:]
+        self.block_ids = state.block_ids
+
+
+class EagleDrafter:
+    def __init__(self, folder: str, method: str, target, target_config,  # type: ignore[no-untyped-def]
+                 dtype: torch.dtype, device: torch.device, backend, num_drafts: int,
+                 block_size: int) -> None:
+        self.config = read_head_config(Path(folder), target_config, method)
+        with torch.device(device):
+            self.head = EagleHead(self.config, backend)
+        self.head.to(dtype)
+        self.head.load_weights(head_tensors(Path(folder)))
+        vocab = target_config.vocab_size
+        lm_head = None if self.config.method == "eagle3" else \
+            target.lm_head.weight[:vocab]
+        self.head.share_target(target.model.embed_tokens.weight[:vocab], lm_head)
+        self.head.eval()
+        if self.config.method == "eagle3":  # the target keeps the streams the head reads
+            target.model.aux_layers = self.config.aux_layer_ids
+        self.target = target
+        self.dtype, self.device = dtype, device
+        self.num_drafts, self.block_size = num_drafts, block_size
+        self.kv_caches: KVCaches = []
+        self.features = torch.empty(0, self.config.feature_size, dtype=dtype, device=device)
+        self.computed: dict[str, int] = {}  # per request: leading positions of known K/V
+        self.caught_up = 0
+
+    def bytes_per_block(self) -> int:
+        features = self.block_size * self.config.feature_size * self.dtype.itemsize
+        return kv_bytes_per_block(self.config.hf_config(), 1, self.block_size,
+                                  self.dtype) + features
+
+    def allocate(self, num_blocks: int) -> None:
+        self.kv_caches = allocate_kv_caches(self.config.hf_config(), 1, num_blocks,
+                                            self.block_size, self.dtype, self.device)
+        self.features = torch.zeros(num_blocks * self.block_size, self.config.feature_size,
+                                    dtype=self.dtype, device=self.device)
+        self.computed.clear()
+
+    def build_rotary_table(self, max_model_len: int) -> None:
+        self.head.build_rotary_table(max_model_len)
+
+    def capture_graphs(self, max_num_seqs: int) -> None:
+        """Not yet: the head runs eagerly (the target, with a head, too: its features are
+        not yet outputs of its graphs)."""
+
+    def store(self, slots: torch.Tensor, hidden: torch.Tensor) -> None:
+        """A target forward's features at its (T,) slots; ``hidden`` its final (T, H) rows."""
+        features = hidden if self.config.method == "eagle" else self.target.model.aux_features
+        self.features[slots] = features.to(self.dtype)
+
+    def release(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            self.computed.pop(request_id, None)
+
+    def take_caught_up(self) -> int:
+        caught_up, self.caught_up = self.caught_up, 0
+        return caught_up
+
+    @torch.inference_mode()
+    def draft(self, request_ids: list[str], states: list[RowState],
+              counts: list[int]) -> list[list[int]]:
+        """``counts[r]`` greedy drafts after each row's tokens (the target computes the newest
+        in this step; the scheduler allocated the slots of the step's 1 + k tokens)."""
+        rows, stream, first = self._catch_up(request_ids, states)
+        order = sorted(range(len(states)), key=lambda r: -counts[r])  # the longest first
+        index = torch.tensor(order, device=self.device)
+        proposed, stream = [first[index]], stream[index]
+        table = block_table_array([states[r].block_ids for r in order])
+        positions = np.array([len(states[r].token_ids) - 2 for r in order], dtype=np.int64)
+        for step in range(1, max(counts)):
+            live = sum(counts[r] > step for r in order)  # a prefix of ``order``
+            at = positions[:live] + step
+            step_rows = DecodeRows([request_ids[r] for r in order[:live]],
+                                   np.zeros(live, dtype=np.int64), at,
+                                   slots_of(table[:live], np.arange(live), at, self.block_size),
+                                   table[:live])
+            batch = decode_batch(step_rows, self.device, proposed[-1][:live])
+            out, stream = self.head(batch.input_ids, batch.positions, stream[:live],
+                                    self.kv_caches, batch.meta)
+            proposed.append(self.head.draft_tokens(out))
+        drafts: list[list[int]] = [[] for _ in states]
+        for values in proposed:
+            for rank, token in enumerate(values.tolist()):
+                drafts[order[rank]].append(token)
+        return [row[:count] for row, count in zip(drafts, counts, strict=True)]
+
+    def _catch_up(self, request_ids: list[str], states: list[RowState]
+                  ) -> tuple[list[str], torch.Tensor, torch.Tensor]:
+        """One head forward over each row's positions it has not seen (from the target's
+        features) up to L - 2: (request ids, the head's output stream at L - 2 (rows, H),
+        the first drafts (rows,))."""
+        items, shifted = [], {}
+        for request_id, state in zip(request_ids, states, strict=True):
+            last = len(state.token_ids) - 2  # the newest position the target computed
+            start = min(self.computed.get(request_id, 0), last)
+            items.append(ScheduledRequest(request_id, start, last + 1 - start))
+            shifted[request_id] = ShiftedRow(state)
+            self.computed[request_id] = last + 1
+            self.caught_up += last + 1 - start
+        batch = build_input_batch(items, shifted, self.block_size,  # type: ignore[arg-type]
+                                  self.device)
+        features = self.features[batch.meta.slot_mapping]
+        out, stream = self.head(batch.input_ids, batch.positions, features, self.kv_caches,
+                                batch.meta)
+        rows = batch.sample_indices
+        return request_ids, stream[rows], self.head.draft_tokens(out[rows])
