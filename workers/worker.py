@@ -95,7 +95,8 @@ class Worker:
 
             self.eagle = EagleDrafter(config.draft_model_path, config.draft_method, self.model,
                                       self.hf_config, self.dtype, self.device, backend,
-                                      config.num_speculative_tokens, config.block_size)
+                                      config.num_speculative_tokens, config.block_size,
+                                      config.model_path if self.tp.size > 1 else None)
             return self.eagle
         from workers.speculative.draft_model import DraftModel
 

@@ -179,3 +179,25 @@ def test_the_drafter_catches_up_and_chains_as_the_reference_does(tiny_models, tm
     tokens = tokens + drafts[0][:1] + [23]
     assert drafter.draft(["a"], [Row(tokens)], [2]) == [reference_drafts(tokens, 2)]
     assert drafter.take_caught_up() == 2
+
+
+@pytest.mark.ray
+def test_tensor_parallel_2_drafts_with_the_whole_embedding(ray_session, tiny_models, expected,
+                                                          heads):
+    """Rank 0's head reads the target's whole embedding and lm_head (its shard holds half),
+    and the features every rank computes alike."""
+    llm = LLM(str(tiny_models["llama"]), device="cpu", dtype="float32", block_size=4,
+              num_kv_blocks=128, tensor_parallel_size=2, distributed_executor_backend="ray",
+              speculative_config=eagle(heads["eagle1"], 3))
+    one_rank, _ = run(tiny_models["llama"], num_kv_blocks=128,
+                      speculative_config=eagle(heads["eagle1"], 3))
+    try:
+        outputs = llm.generate(PROMPTS, GREEDY)
+        assert [out.token_ids for out in outputs] == expected
+        llm.engine.scheduler.kv.check_integrity()
+        # the same drafts as on one rank: as many made and as many kept
+        stats, alone = llm.stats(), one_rank.stats()
+        assert stats.spec_decode_num_draft_tokens == alone.spec_decode_num_draft_tokens > 0
+        assert stats.spec_decode_num_accepted_tokens == alone.spec_decode_num_accepted_tokens
+    finally:
+        llm.engine.shutdown()

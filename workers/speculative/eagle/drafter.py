@@ -47,19 +47,43 @@ class ShiftedRow:
         self.block_ids = state.block_ids
 
 
+def whole_target_tensors(target, target_config,  # type: ignore[no-untyped-def]
+                         folder: str | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's embedding and lm_head over its whole vocabulary: the shard's own (less
+    the padding) on one rank, read from the checkpoint under tensor parallelism (a shard
+    holds a slice of each; the head runs whole, with no collective in its chain)."""
+    vocab = target_config.vocab_size
+    if folder is None:
+        return target.model.embed_tokens.weight[:vocab], target.lm_head.weight[:vocab]
+    from workers.loader import weight_files
+
+    wanted = {"model.embed_tokens.weight", "lm_head.weight"}
+    found: dict[str, torch.Tensor] = {}
+    for path in weight_files(Path(folder)):
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt") as handle:
+            for name in wanted & set(handle.keys()):
+                found[name] = handle.get_tensor(name)
+    embedding = found["model.embed_tokens.weight"]
+    return embedding, found.get("lm_head.weight", embedding)  # tied: the same tensor
+
+
 class EagleDrafter:
     def __init__(self, folder: str, method: str, target, target_config,  # type: ignore[no-untyped-def]
                  dtype: torch.dtype, device: torch.device, backend, num_drafts: int,
-                 block_size: int) -> None:
+                 block_size: int, target_folder: str | None = None) -> None:
+        """``target_folder``: where the target's whole embedding (and lm_head) are read
+        from when its shard holds a part of them (tensor parallel); None: the shard's own."""
         self.config = read_head_config(Path(folder), target_config, method)
         with torch.device(device):
             self.head = EagleHead(self.config, backend)
         self.head.to(dtype)
         self.head.load_weights(head_tensors(Path(folder)))
-        vocab = target_config.vocab_size
-        lm_head = None if self.config.method == "eagle3" else \
-            target.lm_head.weight[:vocab]
-        self.head.share_target(target.model.embed_tokens.weight[:vocab], lm_head)
+        embedding, lm_head = whole_target_tensors(target, target_config, target_folder)
+        self.head.share_target(embedding.to(device, dtype),
+                               None if self.config.method == "eagle3" else
+                               lm_head.to(device, dtype))
         self.head.eval()
         if self.config.method == "eagle3":  # the target keeps the streams the head reads
             target.model.aux_layers = self.config.aux_layer_ids
