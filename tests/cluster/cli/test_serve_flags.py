@@ -210,3 +210,13 @@ def test_a_local_ray_keeps_to_the_loopback_address_when_serving_on_one(
         (tmp_path / "ray").mkdir()
         (tmp_path / "ray" / "ray_current_cluster").write_text("10.1.2.3:6379")
     assert keeps_ray_on_loopback(host) is on_loopback
+
+
+def test_the_briefs_flags_take_an_eagle_head_folder(tmp_path):
+    from tests.eagle_heads import write_head
+
+    write_head(tmp_path / "head", "eagle3")
+    served = config_of("--speculative-model", str(tmp_path / "head"),
+                       "--num-speculative-tokens", "5").engine_config()
+    assert served.speculation == SpeculativeConfig(method="eagle3", model=str(tmp_path / "head"),
+                                                   num_speculative_tokens=5)
