@@ -1,0 +1,110 @@
+"""Training an EAGLE-3 head: the training-time test sees what drafting sees (its step j at i
+equals the saved head's chain anchored at i, run by the engine's head over the paged cache),
+the draft vocabulary, and a head that learns."""
+
+import torch
+from transformers import LlamaConfig
+
+from tests.workers.test_eagle_head import Row
+from workers.attention.reference import ReferenceAttentionBackend
+from workers.input_batch import (
+    DecodeRows,
+    block_table_array,
+    build_input_batch,
+    decode_batch,
+    slots_of,
+)
+from workers.kv_cache import allocate_kv_caches
+from workers.speculative.eagle.head import EagleHead
+from workers.speculative.eagle.head_config import read_head_config
+from workers.speculative.eagle.head_weights import head_tensors
+from workers.speculative.eagle.training import (
+    HeadShape,
+    TrainableHead,
+    draft_vocabulary,
+    save_head,
+    ttt_loss,
+)
+from workers.step_input import ScheduledRequest
+
+TARGET = LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=6,
+                     num_attention_heads=4, num_key_value_heads=2, vocab_size=50,
+                     max_position_embeddings=128, rope_theta=10000.0, rms_norm_eps=1e-6)
+CPU = torch.device("cpu")
+
+
+def random_head(seed: int = 0) -> TrainableHead:
+    generator = torch.Generator().manual_seed(seed)
+    embedding = torch.randn(50, 64, generator=generator)
+    lm_head = torch.randn(50, 64, generator=generator)
+    shape = HeadShape.for_target(TARGET, draft_vocab_size=20)
+    torch.manual_seed(seed)
+    head = TrainableHead(shape, embedding, draft_vocabulary([list(range(0, 50, 2))], 20),
+                         lm_head)
+    for param in (head.input_layernorm, head.hidden_norm, head.post_attention_layernorm,
+                  head.norm):
+        param.data += 0.2 * torch.randn(64, generator=generator)
+    return head
+
+
+def test_the_draft_vocabulary_is_the_most_frequent_answer_tokens_sorted():
+    answers = [[5, 5, 9, 1], [9, 9, 2, 5], [7]]
+    # 5 and 9 three times each, then 1, 2 and 7 once: the lowest ids among the ties
+    assert draft_vocabulary(answers, 4).tolist() == [1, 2, 5, 9]
+
+
+def test_each_ttt_step_is_the_saved_heads_chain_anchored_at_each_position(tmp_path):
+    head = random_head()
+    tokens = torch.randint(0, 50, (12,), generator=torch.Generator().manual_seed(3))
+    features = torch.randn(12, 3 * 64, generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        ttt = head(tokens, features, steps=3)
+    save_head(head, tmp_path / "head", dtype=torch.float32)
+    config = read_head_config(tmp_path / "head", TARGET)
+    assert config.aux_layer_ids == (2, 3, 3) and config.draft_vocab_size == 20
+    served = EagleHead(config, ReferenceAttentionBackend())
+    served.load_weights(head_tensors(tmp_path / "head"))
+    served.share_target(head.embedding, None)
+    served.build_rotary_table(128)
+    blocks = [4, 1, 7, 2]
+    table = block_table_array([blocks])
+    for anchor in (0, 5, 8):
+        caches = allocate_kv_caches(config.hf_config(), 1, 8, 4, torch.float32, CPU)
+        shifted = Row(tokens[1:].tolist(), blocks)  # position p takes token p + 1
+        batch = build_input_batch([ScheduledRequest("a", 0, anchor + 1)], {"a": shifted}, 4,
+                                  CPU)
+        rows, stream = served(batch.input_ids, batch.positions, features[:anchor + 1], caches,
+                              batch.meta)
+        logits = [served.lm_head(rows[-1:])]
+        hidden = stream[-1:]
+        for step in (1, 2):  # teacher-forced: the true token, the head's own hidden
+            at = torch.tensor([anchor + step]).numpy()
+            chain = DecodeRows(["a"], tokens[anchor + step + 1:anchor + step + 2].numpy(), at,
+                               slots_of(table, torch.zeros(1, dtype=torch.int64).numpy(), at,
+                                        4), table)
+            step_batch = decode_batch(chain, CPU)
+            rows, hidden = served(step_batch.input_ids, step_batch.positions, hidden, caches,
+                                  step_batch.meta)
+            logits.append(served.lm_head(rows))
+        for step in range(3):
+            torch.testing.assert_close(logits[step][0], ttt[step][anchor], rtol=1e-4,
+                                       atol=1e-4)
+
+
+def test_a_head_trained_on_a_sequence_predicts_its_target_better():
+    head = random_head(1)
+    tokens = torch.randint(0, 50, (24,), generator=torch.Generator().manual_seed(5))
+    features = torch.randn(24, 3 * 64, generator=torch.Generator().manual_seed(6))
+    # the target's distribution: the next token, as a one-hot over the draft vocabulary
+    position = torch.searchsorted(head.draft_ids, tokens.roll(-1)).clamp(max=19)
+    target_probs = torch.nn.functional.one_hot(position, 20).float()
+    answer = torch.arange(24) >= 6
+    optimizer = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=3e-3)
+    losses = []
+    for _ in range(30):
+        loss = ttt_loss(head(tokens, features, steps=3), target_probs, answer)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.5 * losses[0]
