@@ -10,6 +10,7 @@ import sys
 from collections.abc import Sequence
 
 from cluster import environment
+from cluster.cli.draft_head import add_draft_head_command
 from cluster.cli.generate import add_generate_command
 from cluster.cli.serve import add_serve_command
 from workers import catalog
@@ -69,6 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_command(subparsers)
     add_generate_command(subparsers)
     add_serve_command(subparsers)
+    add_draft_head_command(subparsers)
     return parser
 
 

@@ -64,8 +64,10 @@ class EagleHeadConfig:
 
 def default_aux_layers(num_target_layers: int) -> tuple[int, ...]:
     """EAGLE-3's features: the residual stream entering layers 2, L // 2 and L - 3 (the
-    reference's, vLLM's and llama.cpp's choice; checkpoints that name others by ±1 exist)."""
-    return (2, num_target_layers // 2, num_target_layers - 3)
+    reference's, vLLM's and llama.cpp's choice; checkpoints that name others by ±1 exist),
+    kept inside a target of fewer than 5 layers."""
+    last = num_target_layers - 1
+    return (min(2, last), num_target_layers // 2, max(num_target_layers - 3, 0))
 
 
 def read_head_config(folder: Path, target: "PretrainedConfig",

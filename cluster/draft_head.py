@@ -1,0 +1,175 @@
+"""`tandem draft-head train`: an EAGLE-3 head for a model that has none, from its own answers.
+
+1. Questions: a built-in set (cluster/draft_head_prompts.py) and, Magpie-style, questions the
+   model writes itself (given only its chat template's opening of a user turn).
+2. Answers: tandem answers every question (greedy), so the head learns the distribution it
+   will draft for (the anchors' advice: regenerate the data with the target).
+3. Features: one teacher-forced pass of the target (transformers) over question + answer
+   gives the residual streams the head reads and the target's distribution at every position.
+4. Training: workers/speculative/eagle/training.py (the training-time test), AdamW.
+5. The head is written in the EAGLE-3 layout that ``{"method": "eagle3", "model": FOLDER}``
+   loads, and its mean accepted length is measured on questions it was not trained on.
+"""
+
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from cluster.draft_head_prompts import QUESTIONS
+from router.sampling_params import SamplingParams
+
+SENTINEL = "\u2063"  # a character no question holds: where the user turn's text goes
+
+
+@dataclass
+class Example:
+    tokens: torch.Tensor  # (T,) question and answer
+    answer_start: int  # the first answer token's index
+    features: torch.Tensor  # (T, 3 H): the streams the head reads
+    target_probs: torch.Tensor  # (T, draft vocabulary): the target's next-token distribution
+
+
+def magpie_questions(llm, count: int, seed: int, max_tokens: int = 48) -> list[str]:  # type: ignore[no-untyped-def]
+    """Questions the model writes itself, from its template's opening of a user turn."""
+    if count == 0:
+        return []
+    tokenizer = llm.engine.tokenizer
+    text = tokenizer.apply_chat_template([{"role": "user", "content": SENTINEL}],
+                                         tokenize=False)
+    opening = tokenizer.encode(text[:text.index(SENTINEL)], add_special_tokens=False)
+    params = [SamplingParams(temperature=1.0, top_p=0.95, max_tokens=max_tokens, seed=seed + i)
+              for i in range(count)]
+    outputs = llm.generate([opening] * count, params)
+    questions = [out.outputs[0].text.strip() for out in outputs]
+    return [q for q in questions if q]
+
+
+def answer(llm, questions: list[str], max_tokens: int) -> list[tuple[list[int], list[int]]]:  # type: ignore[no-untyped-def]
+    """(question tokens, answer tokens) of each question, answered greedily."""
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    outputs = llm.chat([[{"role": "user", "content": q}] for q in questions], params)
+    return [(out.prompt_token_ids, list(out.outputs[0].token_ids)) for out in outputs]
+
+
+@torch.inference_mode()
+def teacher_forced(hf, pairs: list[tuple[list[int], list[int]]], aux_layers: tuple[int, ...],
+                   draft_ids: torch.Tensor, device: torch.device) -> list[Example]:
+    """The target's streams and next-token distributions (over the draft vocabulary) at every
+    position of each question + answer."""
+    examples = []
+    for question, reply in pairs:
+        tokens = torch.tensor(question + reply, device=device)
+        out = hf(tokens[None], output_hidden_states=True)
+        streams = out.hidden_states  # [i]: entering layer i
+        features = torch.cat([streams[i][0] for i in aux_layers], dim=-1).float()
+        probs = out.logits[0].float()[:, draft_ids.to(device)].softmax(-1)
+        examples.append(Example(tokens.cpu(), len(question), features.cpu(), probs.cpu()))
+    return examples
+
+
+def train_head(examples: list[Example], head, epochs: int, steps: int, lr: float,  # type: ignore[no-untyped-def]
+               device: torch.device, seed: int, noise: float = 0.05) -> list[float]:
+    """Epochs of AdamW over the examples (one sequence a step, shuffled, features with a
+    little noise); the mean loss of each epoch."""
+    from workers.speculative.eagle.training import ttt_loss
+
+    rng = random.Random(seed)
+    params = [p for p in head.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    total_steps = max(1, epochs * len(examples))
+    schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=lr, total_steps=total_steps,
+                                                   pct_start=0.1)
+    means = []
+    for _ in range(epochs):
+        order = list(range(len(examples)))
+        rng.shuffle(order)
+        losses = []
+        for index in order:
+            example = examples[index]
+            features = example.features.to(device)
+            features = features + noise * features.std() * torch.randn_like(features)
+            mask = torch.arange(len(example.tokens), device=device) >= example.answer_start
+            loss = ttt_loss(head(example.tokens.to(device), features, steps),
+                            example.target_probs.to(device), mask)
+            optimizer.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 0.5)
+            optimizer.step()
+            schedule.step()
+            losses.append(loss.item())
+        means.append(sum(losses) / max(len(losses), 1))
+    return means
+
+
+def accepted_length(model: str, head: Path, questions: list[str], k: int, max_tokens: int,
+                    **engine_args: object) -> tuple[float, list[float]]:
+    """Mean tokens a verify step makes (the bonus token included) at fixed k, and each
+    draft position's acceptance, answering ``questions`` greedily with the head."""
+    from cluster.engine.llm import LLM
+
+    llm = LLM(model, speculative_config={"method": "eagle3", "model": str(head),
+                                         "num_speculative_tokens": k, "adaptive": False},
+              **engine_args)
+    try:
+        llm.chat([[{"role": "user", "content": q}] for q in questions],
+                 SamplingParams(temperature=0.0, max_tokens=max_tokens))
+        stats = llm.stats()
+        per_position = list(llm.engine.metrics.spec_decode_accepted_per_position)
+    finally:
+        llm.engine.shutdown()
+    verifies = max(stats.spec_decode_num_drafts, 1)
+    mean = (stats.spec_decode_num_accepted_tokens + verifies) / verifies
+    return mean, [count / verifies for count in per_position[:k]]
+
+
+def train_draft_head(model: str, output: Path, *, questions: int, self_written: int,
+                     max_tokens: int, epochs: int, steps: int, lr: float, draft_vocab: int,
+                     held_out: int, k: int, device: str, seed: int) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    from cluster.engine.llm import LLM
+    from workers.speculative.eagle.training import (
+        HeadShape,
+        TrainableHead,
+        draft_vocabulary,
+        save_head,
+    )
+
+    started = time.perf_counter()
+    if questions + held_out > len(QUESTIONS):
+        raise ValueError(f"--questions {questions} and --held-out {held_out}: the built-in set "
+                         f"has {len(QUESTIONS)}")
+    train_questions, eval_questions = QUESTIONS[:questions], QUESTIONS[-held_out:] \
+        if held_out else []
+    engine_args = {"device": device, "dtype": "float32" if device == "cpu" else "auto"}
+    llm = LLM(model, **engine_args)  # type: ignore[arg-type]
+    try:
+        written = magpie_questions(llm, self_written, seed)
+        pairs = answer(llm, train_questions + written, max_tokens)
+        folder = llm.engine.model_path
+    finally:
+        llm.engine.shutdown()
+    torch_device = torch.device("cuda" if device != "cpu" and torch.cuda.is_available()
+                                else "cpu")
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).to(torch_device)
+    shape = HeadShape.for_target(hf.config, draft_vocab)
+    draft_ids = draft_vocabulary([reply for _, reply in pairs], shape.draft_vocab_size)
+    examples = teacher_forced(hf, pairs, shape.aux_layer_ids, draft_ids, torch_device)
+    torch.manual_seed(seed)
+    head = TrainableHead(shape, hf.get_input_embeddings().weight, draft_ids,
+                         hf.get_output_embeddings().weight).to(torch_device)
+    del hf
+    losses = train_head(examples, head, epochs, steps, lr, torch_device, seed)
+    save_head(head, output)
+    report = {"head": str(output), "questions": len(train_questions),
+              "self_written": len(written), "train_tokens": sum(len(r) for _, r in pairs),
+              "draft_vocab": len(draft_ids), "epoch_losses": losses}
+    if eval_questions:
+        mean, per_position = accepted_length(model, output, eval_questions, k, max_tokens,
+                                             **engine_args)
+        report |= {"k": k, "mean_accepted_length": mean, "accepted_per_position": per_position}
+    report["seconds"] = time.perf_counter() - started
+    return report

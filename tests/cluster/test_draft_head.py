@@ -1,0 +1,52 @@
+"""`tandem draft-head train` end to end on a tiny chat model: questions answered by tandem,
+features from transformers, a head trained and written, loaded by the engine, exact, and its
+acceptance measured on held-out questions."""
+
+import json
+
+from cluster.cli.main import main
+from cluster.engine.llm import LLM
+from router.sampling_params import SamplingParams
+from workers.loader import load_config
+from workers.speculative.eagle.head_config import default_aux_layers, read_head_config
+from workers.speculative.eagle.training import HeadShape
+
+
+def test_a_head_is_trained_written_and_measured(tiny_chat_model, tmp_path, capsys):
+    output = tmp_path / "head"
+    assert main(["draft-head", "train", "--model", str(tiny_chat_model), "--output",
+                 str(output), "--questions", "4", "--self-written", "2", "--held-out", "2",
+                 "--max-tokens", "12", "--epochs", "2", "--draft-vocab", "64", "--k", "2",
+                 "--device", "cpu"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["questions"] == 4 and report["self_written"] <= 2
+    assert report["draft_vocab"] <= 64 and len(report["epoch_losses"]) == 2
+    # k 2: each verify makes 1 to 3 tokens; per-position acceptance falls with the position
+    assert 1.0 <= report["mean_accepted_length"] <= 3.0
+    first, second = report["accepted_per_position"]
+    assert first >= second
+    # the head loads for its target (two layers: it reads the streams entering 1, 1 and 0)
+    config = read_head_config(output, load_config(tiny_chat_model))
+    assert config.method == "eagle3" and config.aux_layer_ids == default_aux_layers(2) == \
+        (1, 1, 0)
+    greedy = SamplingParams(temperature=0.0, max_tokens=12)
+    llm = LLM(str(tiny_chat_model), device="cpu", dtype="float32")
+    plain = llm.chat([{"role": "user", "content": "Why is the sky blue?"}], greedy)
+    llm.engine.shutdown()
+    drafted = LLM(str(tiny_chat_model), device="cpu", dtype="float32",
+                  speculative_config={"method": "eagle3", "model": str(output),
+                                      "num_speculative_tokens": 2})
+    same = drafted.chat([{"role": "user", "content": "Why is the sky blue?"}], greedy)
+    assert same[0].outputs[0].token_ids == plain[0].outputs[0].token_ids
+
+
+def test_a_head_has_the_targets_layer_shape_and_a_capped_vocabulary():
+    from transformers import LlamaConfig
+
+    target = LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                         num_attention_heads=9, num_key_value_heads=3, vocab_size=49152,
+                         rope_theta=100000.0)
+    shape = HeadShape.for_target(target, draft_vocab_size=8192)
+    assert (shape.head_dim, shape.aux_layer_ids, shape.draft_vocab_size) == (64, (2, 15, 27),
+                                                                               8192)
+    assert shape.rope_theta == 100000.0
