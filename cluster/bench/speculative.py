@@ -200,7 +200,12 @@ def plain_runs(setup, batches: list[int], args) -> dict[int, tuple[list, list, f
 
 def speculative_engine(setup, args):  # type: ignore[no-untyped-def]
     config: dict = {"num_speculative_tokens": max(args.k), "adaptive": args.adaptive}
-    if args.draft_model is not None:
+    if args.eagle3_head:
+        from cluster.bench.eagle_head_shapes import build_random_eagle3_head
+
+        config |= {"method": "eagle3", "model": str(build_random_eagle3_head(
+            Path(setup.folder)))}
+    elif args.draft_model is not None:
         config["model"] = args.draft_model
     elif args.draft_shape is None:
         config["method"] = "ngram"  # replaced by the oracle: only its slot in the engine counts
@@ -253,7 +258,8 @@ def run_speculative(args: argparse.Namespace) -> int:
     from cluster.bench.commands import Setup
     from cluster.bench.report import publish
 
-    has_draft = args.draft_shape is not None or args.draft_model is not None
+    has_draft = args.draft_shape is not None or args.draft_model is not None or \
+        args.eagle3_head
     if args.proposer == "draft" and not has_draft:
         raise SystemExit("--proposer draft needs --draft-shape or --draft-model")
     if args.proposer == "ngram" and has_draft:
@@ -319,7 +325,8 @@ def run_speculative(args: argparse.Namespace) -> int:
     if args.beside_fixed:
         table += "\n\n" + adaptive_against_fixed(results)
     publish(setup.record | {"workload": "speculative",
-                            "draft": args.draft_model or args.draft_shape,
+                            "draft": args.draft_model or args.draft_shape or (
+                                "eagle3-random" if args.eagle3_head else None),
                             "results": results}, table, args.output)
     return 0
 
@@ -348,6 +355,10 @@ def add_speculative_parser(workloads: argparse._SubParsersAction,
     parser.add_argument("--draft-shape", help="a random draft model of this shape in the "
                         "target's worker (its cost paid; the oracle still proposes)")
     parser.add_argument("--draft-model", help="a draft model folder instead of --draft-shape")
+    parser.add_argument("--eagle3-head", action="store_true",
+                        help="a random EAGLE-3 head of the published shape for the target "
+                        "(its cost paid; the oracle still proposes; with --proposer draft, "
+                        "its own drafts)")
     parser.add_argument("--draft-seed", type=int,
                         help="the draft's weights (default: the target's when the shapes match)")
     parser.add_argument("--proposer", choices=["oracle", "draft", "ngram"], default="oracle",

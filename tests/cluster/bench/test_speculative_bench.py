@@ -64,3 +64,14 @@ def test_w5_beside_fixed_runs_every_fixed_k_then_adaptive_in_one_engine(tiny_mod
     assert [r["tokens_per_verify"] for r in runs[:2]] == [2.0, 4.0]
     assert runs[2]["measured_alpha"] == 1.0
     assert all(r["rows_equal_to_plain"] == 2 for r in runs)
+
+
+def test_w5_a_random_eagle3_head_pays_its_cost_while_the_oracle_proposes(tiny_models, tmp_path):
+    output = tmp_path / "w5-eagle.json"
+    assert main(["bench", "speculative", "--model", str(tiny_models["llama"]), "--device", "cpu",
+                 "--eagle3-head", "--batch-sizes", "1", "--k", "2", "--alpha", "1.0",
+                 "--input-len", "8", "--output-len", "13", "--output", str(output)]) == 0
+    record = json.loads(output.read_text())
+    (result,) = record["results"]
+    assert record["draft"] == "eagle3-random"
+    assert result["tokens_per_verify"] == 3.0 and result["rows_equal_to_plain"] == 1
