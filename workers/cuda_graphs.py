@@ -176,6 +176,9 @@ class DecodeGraphs:
         self.copied = torch.cuda.Event()  # the pinned buffer is free again once this fires
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
+        # an EAGLE-3 head's features (the model's aux_features), when the model keeps them:
+        # each bucket's own static tensor, handed back after its replay
+        self.aux: dict[int, torch.Tensor] = {}
 
     def num_splits(self, bucket: int) -> int:
         kv_heads = self.kv_caches[0].num_kv_heads
@@ -206,10 +209,14 @@ class DecodeGraphs:
                 with torch.cuda.graph(graph, pool=pool, capture_error_mode=capture_error_mode):
                     self.outputs[bucket] = self.model(*self.args(bucket))
                 self.graphs[bucket] = graph
+                inner = getattr(self.model, "model", None)
+                if getattr(inner, "aux_layers", ()):
+                    self.aux[bucket] = inner.aux_features
             torch.cuda.synchronize(self.device)
         except Exception as error:  # noqa: BLE001 - any failure means: run eagerly
             self.graphs.clear()
             self.outputs.clear()
+            self.aux.clear()
             return f"capture failed: {error!r}"
         return None
 
@@ -229,6 +236,8 @@ class DecodeGraphs:
         if input_ids is not None:
             self.inputs.input_ids[:n].copy_(input_ids)
         self.graphs[bucket].replay()
+        if bucket in self.aux:  # what an eager forward would have left there
+            self.model.model.aux_features = self.aux[bucket][:n]
         return self.outputs[bucket][:n]
 
 

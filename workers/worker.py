@@ -83,10 +83,8 @@ class Worker:
         self.eagle: EagleDrafter | None = None  # an EAGLE head: drafts from the target's features
         if config.draft_model_path is not None and self.is_driver:
             self.draft = self._make_draft(backend)
-        # a target that feeds an EAGLE head runs eagerly for now: its features are not yet
-        # outputs of its graphs
         self.uses_graphs = (self.device.type == "cuda" and not config.enforce_eager
-                            and backend.name == "triton" and config.draft_method == "draft_model")
+                            and backend.name == "triton")
 
     def _make_draft(self, backend):  # type: ignore[no-untyped-def]
         config = self.config

@@ -201,3 +201,19 @@ def test_tensor_parallel_2_drafts_with_the_whole_embedding(ray_session, tiny_mod
         assert stats.spec_decode_num_accepted_tokens == alone.spec_decode_num_accepted_tokens
     finally:
         llm.engine.shutdown()
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_graphs_keep_the_heads_features(tiny_models, heads):
+    """The target's CUDA graphs hand back each bucket's features: the head drafts what it
+    drafts eagerly (as many kept), and the tokens are the eager run's."""
+    def drafted(enforce_eager: bool):  # type: ignore[no-untyped-def]
+        llm = LLM(str(tiny_models["llama"]), device="cuda", dtype="float32", block_size=16,
+                  enforce_eager=enforce_eager,
+                  speculative_config=eagle(heads["eagle3"], 3))
+        tokens = [out.token_ids for out in llm.generate(PROMPTS, GREEDY)]
+        stats = llm.stats()
+        llm.engine.shutdown()
+        return tokens, stats.spec_decode_num_accepted_tokens, stats.spec_decode_num_draft_tokens
+
+    assert drafted(enforce_eager=False) == drafted(enforce_eager=True)

@@ -111,8 +111,8 @@ class EagleDrafter:
         self.head.build_rotary_table(max_model_len)
 
     def capture_graphs(self, max_num_seqs: int) -> None:
-        """Not yet: the head runs eagerly (the target, with a head, too: its features are
-        not yet outputs of its graphs)."""
+        """Not yet: the head runs eagerly (the target's graphs hand back its features:
+        workers/cuda_graphs.py)."""
 
     def store(self, slots: torch.Tensor, hidden: torch.Tensor) -> None:
         """A target forward's features at its (T,) slots; ``hidden`` its final (T, H) rows."""
