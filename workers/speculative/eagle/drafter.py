@@ -16,6 +16,12 @@ step at the next position, fed the draft before it and the head's own output as 
 Those chained positions hold K/V made from predicted features: the next drafting computes
 them again from the target's (their slots are simply overwritten), so only positions up to
 L - 2 count as known.
+
+Both run as one-token rows through ``HeadStep`` (the head over a static feature buffer, so a
+CUDA graph of the target's decode kind holds it): the catch-up as one row per missed position
+(a row sees the rows before it of its sequence: each layer stores the step's K/V before it
+attends) whenever a graph holds them all, or without graphs when each row is a few tokens
+behind; a longer catch-up (a new prompt) runs as one eager prefill-like forward.
 """
 
 from pathlib import Path
@@ -27,8 +33,9 @@ from workers.input_batch import (
     DecodeRows,
     block_table_array,
     build_input_batch,
-    decode_batch,
+    forward_decode_rows,
     slots_of,
+    to_device,
 )
 from workers.kv_cache import KVCaches, allocate_kv_caches, kv_bytes_per_block
 from workers.speculative.draft_model import RowState
@@ -36,6 +43,23 @@ from workers.speculative.eagle.head import EagleHead
 from workers.speculative.eagle.head_config import read_head_config
 from workers.speculative.eagle.head_weights import head_tensors
 from workers.step_input import ScheduledRequest
+
+
+class HeadStep(torch.nn.Module):
+    """The head as a decode model: ``(input_ids, positions, kv_caches, meta)`` in, as
+    DecodeGraphs calls a model, the features read from ``self.features`` (written before each
+    call), and out one (rows, 2 H) tensor: the rows for the lm_head, then the output stream."""
+
+    def __init__(self, head: EagleHead, max_rows: int, width: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        super().__init__()
+        self.head = head
+        self.features = torch.zeros(max_rows, width, dtype=dtype, device=device)
+
+    def forward(self, input_ids, positions, kv_caches, meta):  # type: ignore[no-untyped-def]
+        rows, stream = self.head(input_ids, positions, self.features[:input_ids.shape[0]],
+                                 kv_caches, meta)
+        return torch.cat([rows, stream], dim=-1)
 
 
 class ShiftedRow:
@@ -94,6 +118,12 @@ class EagleDrafter:
         self.features = torch.empty(0, self.config.feature_size, dtype=dtype, device=device)
         self.computed: dict[str, int] = {}  # per request: leading positions of known K/V
         self.caught_up = 0
+        self.max_model_len = 0
+        self.graphs = None  # DecodeGraphs of HeadStep, when the target has graphs too
+        # a chain step's features are the head's own output (H wide); a catch-up's the
+        # target's (feature_size wide): one buffer for each, each a HeadStep's
+        self.chain_step: HeadStep | None = None
+        self.catch_up_step: HeadStep | None = None
 
     def bytes_per_block(self) -> int:
         features = self.block_size * self.config.feature_size * self.dtype.itemsize
@@ -101,6 +131,7 @@ class EagleDrafter:
                                   self.dtype) + features
 
     def allocate(self, num_blocks: int) -> None:
+        self.graphs = None  # graphs hold the old cache's addresses
         self.kv_caches = allocate_kv_caches(self.config.hf_config(), 1, num_blocks,
                                             self.block_size, self.dtype, self.device)
         self.features = torch.zeros(num_blocks * self.block_size, self.config.feature_size,
@@ -108,11 +139,45 @@ class EagleDrafter:
         self.computed.clear()
 
     def build_rotary_table(self, max_model_len: int) -> None:
+        self.max_model_len = max_model_len
         self.head.build_rotary_table(max_model_len)
 
+    def _steps(self, max_rows: int) -> tuple[HeadStep, HeadStep]:
+        """The two HeadSteps, with room for ``max_rows`` rows (grown eagerly only: graphs
+        read the buffers they were captured with, and never get more rows than those)."""
+        if self.chain_step is None or self.chain_step.features.shape[0] < max_rows:
+            if self.graphs is not None:
+                raise RuntimeError(f"{max_rows} head rows, more than its graphs were "
+                                   f"captured for ({self.chain_step.features.shape[0]})")
+            size = self.config.hidden_size
+            self.chain_step = HeadStep(self.head, max_rows, size, self.dtype, self.device)
+            self.catch_up_step = HeadStep(self.head, max_rows, self.config.feature_size,
+                                          self.dtype, self.device)
+        assert self.catch_up_step is not None
+        return self.chain_step, self.catch_up_step
+
     def capture_graphs(self, max_num_seqs: int) -> None:
-        """Not yet: the head runs eagerly (the target's graphs hand back its features:
-        workers/cuda_graphs.py)."""
+        """CUDA graphs of the head's one-token steps (its chain; a catch-up whose rows fit),
+        as the target has. One device, no collectives; eager if capture fails."""
+        from workers.cuda_graphs import DecodeGraphs
+
+        chain, catch_up = self._steps(max_num_seqs)
+        captured = []
+        for step in (chain, catch_up):
+            graphs = DecodeGraphs(step, self.kv_caches, max_num_seqs, self.max_model_len,
+                                  self.block_size, self.device)
+            graphs.warm_up()
+            captured.append(graphs if graphs.capture() is None else None)
+        self.graphs = captured if all(g is not None for g in captured) else None
+
+    def _run_step(self, step: HeadStep, which: int, rows: DecodeRows, features: torch.Tensor,
+                  input_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows for the lm_head, output stream) of one-token rows with these features."""
+        step.features[:features.shape[0]] = features
+        graphs = self.graphs[which] if self.graphs is not None else None
+        out = forward_decode_rows(step, self.kv_caches, graphs, rows, self.device, input_ids)
+        size = self.config.hidden_size
+        return out[:, :size], out[:, size:]
 
     def store(self, slots: torch.Tensor, hidden: torch.Tensor) -> None:
         """A target forward's features at its (T,) slots; ``hidden`` its final (T, H) rows."""
@@ -132,8 +197,9 @@ class EagleDrafter:
               counts: list[int]) -> list[list[int]]:
         """``counts[r]`` greedy drafts after each row's tokens (the target computes the newest
         in this step; the scheduler allocated the slots of the step's 1 + k tokens)."""
-        rows, stream, first = self._catch_up(request_ids, states)
+        stream, first = self._catch_up(request_ids, states)
         order = sorted(range(len(states)), key=lambda r: -counts[r])  # the longest first
+        chain, _ = self._steps(len(states))
         index = torch.tensor(order, device=self.device)
         proposed, stream = [first[index]], stream[index]
         table = block_table_array([states[r].block_ids for r in order])
@@ -145,9 +211,8 @@ class EagleDrafter:
                                    np.zeros(live, dtype=np.int64), at,
                                    slots_of(table[:live], np.arange(live), at, self.block_size),
                                    table[:live])
-            batch = decode_batch(step_rows, self.device, proposed[-1][:live])
-            out, stream = self.head(batch.input_ids, batch.positions, stream[:live],
-                                    self.kv_caches, batch.meta)
+            out, stream = self._run_step(chain, 0, step_rows, stream[:live],
+                                         proposed[-1][:live])
             proposed.append(self.head.draft_tokens(out))
         drafts: list[list[int]] = [[] for _ in states]
         for values in proposed:
@@ -156,22 +221,62 @@ class EagleDrafter:
         return [row[:count] for row, count in zip(drafts, counts, strict=True)]
 
     def _catch_up(self, request_ids: list[str], states: list[RowState]
-                  ) -> tuple[list[str], torch.Tensor, torch.Tensor]:
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
         """One head forward over each row's positions it has not seen (from the target's
-        features) up to L - 2: (request ids, the head's output stream at L - 2 (rows, H),
-        the first drafts (rows,))."""
-        items, shifted = [], {}
+        features) up to L - 2: (the head's output stream at L - 2 (rows, H), the first
+        drafts (rows,))."""
+        starts, lasts = [], []
         for request_id, state in zip(request_ids, states, strict=True):
             last = len(state.token_ids) - 2  # the newest position the target computed
-            start = min(self.computed.get(request_id, 0), last)
-            items.append(ScheduledRequest(request_id, start, last + 1 - start))
-            shifted[request_id] = ShiftedRow(state)
+            starts.append(min(self.computed.get(request_id, 0), last))
+            lasts.append(last)
             self.computed[request_id] = last + 1
-            self.caught_up += last + 1 - start
+        missing = [last + 1 - start for start, last in zip(starts, lasts, strict=True)]
+        self.caught_up += sum(missing)
+        if self._as_rows(missing):
+            rows, newest = self._catch_up_rows(request_ids, states, starts, lasts)
+            _, catch_up = self._steps(len(rows.request_ids))
+            features = self.features[to_device(rows.slots, self.device)]
+            out, stream = self._run_step(catch_up, 1, rows, features)
+            index = to_device(newest, self.device)
+            return stream[index], self.head.draft_tokens(out[index])
+        items = [ScheduledRequest(request_id, start, count) for request_id, start, count in
+                 zip(request_ids, starts, missing, strict=True)]
+        shifted = {request_id: ShiftedRow(state)
+                   for request_id, state in zip(request_ids, states, strict=True)}
         batch = build_input_batch(items, shifted, self.block_size,  # type: ignore[arg-type]
                                   self.device)
         features = self.features[batch.meta.slot_mapping]
         out, stream = self.head(batch.input_ids, batch.positions, features, self.kv_caches,
                                 batch.meta)
-        rows = batch.sample_indices
-        return request_ids, stream[rows], self.head.draft_tokens(out[rows])
+        index = batch.sample_indices
+        return stream[index], self.head.draft_tokens(out[index])
+
+    def _as_rows(self, missing: list[int]) -> bool:
+        """Whether the catch-up runs as one-token rows: whenever a graph holds them all, and
+        without graphs when each row is a few tokens behind (its accepted drafts and the
+        target's next token, a sequence that drafts every step)."""
+        if self.graphs is not None:
+            assert self.catch_up_step is not None
+            room = min(self.graphs[1].sizes[-1], self.catch_up_step.features.shape[0])
+            return sum(missing) <= room
+        return max(missing) <= 1 + self.num_drafts
+
+    def _catch_up_rows(self, request_ids: list[str], states: list[RowState],
+                       starts: list[int], lasts: list[int]) -> tuple[DecodeRows, np.ndarray]:
+        """Each row's missed positions p as one-token rows taking token p + 1, and the index
+        of each row's newest (L - 2)."""
+        ids, tokens, positions, tables = [], [], [], []
+        for request_id, state, start, last in zip(request_ids, states, starts, lasts,
+                                                  strict=True):
+            ids += [request_id] * (last + 1 - start)
+            tokens += state.token_ids[start + 1:last + 2]
+            positions += range(start, last + 1)
+            tables += [state.block_ids] * (last + 1 - start)
+        table = block_table_array(tables)
+        pos = np.array(positions, dtype=np.int64)
+        rows = DecodeRows(ids, np.array(tokens, dtype=np.int64), pos,
+                          slots_of(table, np.arange(len(pos)), pos, self.block_size), table)
+        newest = np.cumsum([last + 1 - start for start, last in zip(starts, lasts,
+                                                                    strict=True)]) - 1
+        return rows, newest.astype(np.int64)
