@@ -4,8 +4,9 @@
    model writes itself (given only its chat template's opening of a user turn).
 2. Answers: tandem answers every question (greedy), so the head learns the distribution it
    will draft for (the anchors' advice: regenerate the data with the target).
-3. Features: one teacher-forced pass of the target (transformers) over question + answer
-   gives the residual streams the head reads and the target's distribution at every position.
+3. Features: a teacher-forced pass of the target (transformers) over question + answer gives
+   the residual streams the head reads and the target's distribution at every position, made
+   again for each training step rather than kept (at 5,000 answers they would be ~60 GB).
 4. Training: workers/speculative/eagle/training.py (the training-time test), AdamW.
 5. The head is written in the EAGLE-3 layout that ``{"method": "eagle3", "model": FOLDER}``
    loads, and its mean accepted length is measured on questions it was not trained on.
@@ -28,8 +29,6 @@ SENTINEL = "\u2063"  # a character no question holds: where the user turn's text
 class Example:
     tokens: torch.Tensor  # (T,) question and answer
     answer_start: int  # the first answer token's index
-    features: torch.Tensor  # (T, 3 H): the streams the head reads
-    target_probs: torch.Tensor  # (T, draft vocabulary): the target's next-token distribution
 
 
 def magpie_questions(llm, count: int, seed: int, max_tokens: int = 48) -> list[str]:  # type: ignore[no-untyped-def]
@@ -54,26 +53,21 @@ def answer(llm, questions: list[str], max_tokens: int) -> list[tuple[list[int], 
     return [(out.prompt_token_ids, list(out.outputs[0].token_ids)) for out in outputs]
 
 
-@torch.inference_mode()
-def teacher_forced(hf, pairs: list[tuple[list[int], list[int]]], aux_layers: tuple[int, ...],
-                   draft_ids: torch.Tensor, device: torch.device) -> list[Example]:
-    """The target's streams and next-token distributions (over the draft vocabulary) at every
-    position of each question + answer."""
-    examples = []
-    for question, reply in pairs:
-        tokens = torch.tensor(question + reply, device=device)
-        out = hf(tokens[None], output_hidden_states=True)
-        streams = out.hidden_states  # [i]: entering layer i
-        features = torch.cat([streams[i][0] for i in aux_layers], dim=-1).float()
-        probs = out.logits[0].float()[:, draft_ids.to(device)].softmax(-1)
-        examples.append(Example(tokens.cpu(), len(question), features.cpu(), probs.cpu()))
-    return examples
+@torch.no_grad()  # not inference_mode: its tensors feed the head's backward
+def teacher_forced(hf, tokens: torch.Tensor, aux_layers: tuple[int, ...],  # type: ignore[no-untyped-def]
+                   draft_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The streams the head reads (T, 3 H) and the target's next-token distribution over the
+    draft vocabulary (T, draft vocabulary) at every position of ``tokens``."""
+    out = hf(tokens[None], output_hidden_states=True)
+    streams = out.hidden_states  # [i]: entering layer i
+    features = torch.cat([streams[i][0] for i in aux_layers], dim=-1).float()
+    return features, out.logits[0].float()[:, draft_ids].softmax(-1)
 
 
-def train_head(examples: list[Example], head, epochs: int, steps: int, lr: float,  # type: ignore[no-untyped-def]
+def train_head(examples: list[Example], hf, head, epochs: int, steps: int, lr: float,  # type: ignore[no-untyped-def]
                device: torch.device, seed: int, noise: float = 0.05) -> list[float]:
-    """Epochs of AdamW over the examples (one sequence a step, shuffled, features with a
-    little noise); the mean loss of each epoch."""
+    """Epochs of AdamW over the examples (one sequence a step, shuffled, the target's features
+    made for it and given a little noise); the mean loss of each epoch."""
     from workers.speculative.eagle.training import ttt_loss
 
     rng = random.Random(seed)
@@ -82,6 +76,7 @@ def train_head(examples: list[Example], head, epochs: int, steps: int, lr: float
     total_steps = max(1, epochs * len(examples))
     schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=lr, total_steps=total_steps,
                                                    pct_start=0.1)
+    aux, draft_ids = head.shape.aux_layer_ids, head.draft_ids
     means = []
     for _ in range(epochs):
         order = list(range(len(examples)))
@@ -89,11 +84,11 @@ def train_head(examples: list[Example], head, epochs: int, steps: int, lr: float
         losses = []
         for index in order:
             example = examples[index]
-            features = example.features.to(device)
+            tokens = example.tokens.to(device)
+            features, target_probs = teacher_forced(hf, tokens, aux, draft_ids)
             features = features + noise * features.std() * torch.randn_like(features)
-            mask = torch.arange(len(example.tokens), device=device) >= example.answer_start
-            loss = ttt_loss(head(example.tokens.to(device), features, steps),
-                            example.target_probs.to(device), mask)
+            mask = torch.arange(len(tokens), device=device) >= example.answer_start
+            loss = ttt_loss(head(tokens, features, steps), target_probs, mask)
             optimizer.zero_grad()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 0.5)
@@ -157,12 +152,14 @@ def train_draft_head(model: str, output: Path, *, questions: int, self_written: 
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).to(torch_device)
     shape = HeadShape.for_target(hf.config, draft_vocab)
     draft_ids = draft_vocabulary([reply for _, reply in pairs], shape.draft_vocab_size)
-    examples = teacher_forced(hf, pairs, shape.aux_layer_ids, draft_ids, torch_device)
+    examples = [Example(torch.tensor(question + reply), len(question))
+                for question, reply in pairs]
     torch.manual_seed(seed)
     head = TrainableHead(shape, hf.get_input_embeddings().weight, draft_ids,
                          hf.get_output_embeddings().weight).to(torch_device)
+    hf.requires_grad_(False)
+    losses = train_head(examples, hf, head, epochs, steps, lr, torch_device, seed)
     del hf
-    losses = train_head(examples, head, epochs, steps, lr, torch_device, seed)
     save_head(head, output)
     report = {"head": str(output), "questions": len(train_questions),
               "self_written": len(written), "train_tokens": sum(len(r) for _, r in pairs),
