@@ -31,6 +31,15 @@ class Example:
     answer_start: int  # the first answer token's index
 
 
+def release_device_memory() -> None:
+    """What an engine or the teacher held on the GPU, back before the next one starts."""
+    import gc
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def magpie_questions(llm, count: int, seed: int, max_tokens: int = 48) -> list[str]:  # type: ignore[no-untyped-def]
     """Questions the model writes itself, from its template's opening of a user turn."""
     if count == 0:
@@ -147,6 +156,8 @@ def train_draft_head(model: str, output: Path, *, questions: int, self_written: 
         folder = llm.engine.model_path
     finally:
         llm.engine.shutdown()
+        del llm
+        release_device_memory()
     torch_device = torch.device("cuda" if device != "cpu" and torch.cuda.is_available()
                                 else "cpu")
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).to(torch_device)
@@ -160,6 +171,7 @@ def train_draft_head(model: str, output: Path, *, questions: int, self_written: 
     hf.requires_grad_(False)
     losses = train_head(examples, hf, head, epochs, steps, lr, torch_device, seed)
     del hf
+    release_device_memory()
     save_head(head, output)
     report = {"head": str(output), "questions": len(train_questions),
               "self_written": len(written), "train_tokens": sum(len(r) for _, r in pairs),
