@@ -357,6 +357,15 @@ def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id=No
     copy_shard(param.data, loaded)
 
 
+def fused_name(name: str) -> tuple[str, object]:
+    """A checkpoint tensor's parameter name and its shard id in it (q/k/v into qkv_proj,
+    gate/up into gate_up_proj; None for a tensor that is a parameter of its own)."""
+    for fused, original, shard_id in STACKED_PARAMS:
+        if original in name:
+            return name.replace(original, fused), shard_id
+    return name, None
+
+
 def required_shards(name: str) -> set:
     shards = {shard_id for fused, _, shard_id in STACKED_PARAMS if fused in name}
     return shards or {None}
@@ -405,11 +414,7 @@ class LlamaForCausalLM(nn.Module):
         for name, tensor in weights:
             if "rotary_emb." in name or (self.tie_word_embeddings and name == "lm_head.weight"):
                 continue  # recomputed from the config / the same tensor as the embedding
-            shard_id = None
-            for fused, original, stacked_shard in STACKED_PARAMS:
-                if original in name:
-                    name, shard_id = name.replace(original, fused), stacked_shard
-                    break
+            name, shard_id = fused_name(name)
             if name not in params:
                 model_name = type(self).__name__
                 raise ValueError(f"checkpoint tensor {name!r} matches no parameter of {model_name}")

@@ -127,7 +127,7 @@ def test_the_drafter_catches_up_and_chains_as_the_reference_does(tiny_models, tm
     """A row of n known tokens and a newest one: the first draft is the head's output at
     n - 1 over the target's streams (as transformers gives them), the next ones the head's
     chain fed its own drafts and output streams; the same after the target verified a step."""
-    from tests.workers.test_eagle_head import eagle3_logits, eagle3_stream
+    from tests.workers.speculative.test_eagle_head import eagle3_logits, eagle3_stream
     from workers.input_batch import build_input_batch
     from workers.kv_cache import allocate_kv_caches
     from workers.speculative.eagle.drafter import EagleDrafter

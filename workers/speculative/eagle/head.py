@@ -27,11 +27,11 @@ from workers.layers.norm import RMSNorm
 from workers.layers.parallel import TensorParallelGroup
 from workers.layers.rotary import RotaryEmbedding
 from workers.models.llama import (
-    STACKED_PARAMS,
     DecoderFlavor,
     LlamaAttention,
     LlamaMLP,
     default_weight_loader,
+    fused_name,
     head_dim_of,
     required_shards,
 )
@@ -162,11 +162,7 @@ class EagleHead(nn.Module):
         for name, tensor in weights:
             if name in skipped:
                 continue
-            shard_id = None
-            for fused, original, stacked_shard in STACKED_PARAMS:
-                if original in name:
-                    name, shard_id = name.replace(original, fused), stacked_shard
-                    break
+            name, shard_id = fused_name(name)
             if name not in params:
                 raise ValueError(f"EAGLE head tensor {name!r} matches no parameter of the head")
             param = params[name]

@@ -5,7 +5,7 @@ the draft vocabulary, and a head that learns."""
 import torch
 from transformers import LlamaConfig
 
-from tests.workers.test_eagle_head import Row
+from tests.workers.speculative.test_eagle_head import Row
 from workers.attention.reference import ReferenceAttentionBackend
 from workers.input_batch import (
     DecodeRows,
