@@ -18,7 +18,10 @@ When every running sequence is decoding and nobody waits, one call to the worker
 several decode steps back to back (``decode_steps``): the device feeds each step the tokens of
 the one before, so the host's per-step work (this scheduler, the step message, reading tokens)
 is paid once per call instead of once per token. Stops found inside a call drop the tokens
-after them.
+after them. A sequence whose sampling must see each token before the next (a grammar,
+penalties, min_tokens still masking) rides along in such a call and keeps its first token
+alone: its row costs the call little, and the other rows keep their several steps (a call of
+riders alone runs one step).
 
 Such a call may also ask for one lookahead step (``decode_lookahead``): when some sequence
 certainly goes on past the call (it does not reach its ``max_tokens`` in it) and every one has
@@ -160,14 +163,21 @@ class Scheduler:
             return 1, False
         needed = 1  # the most tokens any sequence wants
         least_room = self.config.max_model_len  # the fewest tokens the model's length allows
+        riders = 0  # sequences that keep one token of the call (module doc)
         for seq in running:
-            if seq.num_tokens - seq.num_computed_tokens != 1 or seq.needs_single_steps:
-                return 1, False
+            if seq.num_tokens - seq.num_computed_tokens != 1 or (
+                    seq.needs_single_steps and not seq.samples_one_at_a_time):
+                return 1, False  # a prefill, or drafts to verify
+            if seq.samples_one_at_a_time:
+                riders += 1
+                continue
             wanted = seq.params.max_tokens - seq.num_output_tokens
             room = self.config.max_model_len - seq.num_tokens
             needed = max(needed, wanted)
             least_room = min(least_room, room)
             steps = min(steps, room)
+        if riders == len(running):
+            return 1, False
         steps = max(1, min(steps, needed))
         grow, free = self.kv.num_blocks_to_grow, self.kv.num_free_blocks
 
@@ -175,8 +185,10 @@ class Scheduler:
             return sum(grow(s.request_id, s.num_computed_tokens + num_slots)
                        for s in running) <= free
 
-        # someone goes on past the call (steps < needed), everyone has a slot for a step more
-        looks_ahead = self.config.decode_lookahead and 1 < steps < min(needed, least_room)
+        # someone goes on past the call (steps < needed), everyone has a slot for a step more;
+        # not with riders, whose next token is not the call's last
+        looks_ahead = self.config.decode_lookahead and 1 < steps < min(needed, least_room) \
+            and not riders
         if looks_ahead and fits(steps + 1):
             return steps, True
         return (steps, False) if fits(steps) else (1, False)
@@ -363,9 +375,12 @@ class Scheduler:
             num_computed = item.num_new_tokens + output.num_steps - 1
             if item.num_drafts:  # the drafts' K/V holds up to the first rejected one
                 num_computed += len(tokens) - 1 - item.num_drafts
+            rides = output.num_steps > 1 and seq.samples_one_at_a_time
             seq.num_computed_tokens += num_computed
-            self._append_until_stop(seq, tokens)
-            seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens)
+            self._append_until_stop(seq, tokens[:1] if rides else tokens)
+            # a rider's token is computed again next call, where its sampling sees it
+            seq.num_computed_tokens = min(seq.num_computed_tokens,
+                                          seq.num_tokens - 1 if rides else seq.num_tokens)
             cache_blocks(seq.request_id, seq.token_ids, seq.num_computed_tokens)
             if seq.is_finished:
                 self._release(seq)

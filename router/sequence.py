@@ -77,8 +77,15 @@ class Sequence:
         """Each step's sampling reads what the step before gave: penalties read the history,
         min_tokens masks the stop tokens until the output is long enough, and drafts are
         verified in a step of their own; a grammar's mask needs the token before it."""
+        return self.samples_one_at_a_time or bool(self.spec_token_ids) or \
+            self.num_model_drafts > 0
+
+    @property
+    def samples_one_at_a_time(self) -> bool:
+        """Its next token's sampling reads the token before it (penalties, min_tokens, a
+        grammar): in a call of several decode steps it keeps the first step's token alone
+        (router/scheduler.py, the rows that ride along)."""
         return (self.params.uses_history or self.num_output_tokens < self.params.min_tokens
-                or bool(self.spec_token_ids) or self.num_model_drafts > 0
                 or self.params.structured_outputs is not None)
 
     @property

@@ -378,9 +378,9 @@ class Worker:
         first = build_decode_rows(scheduled, self.states, self.config.block_size)
         if first is None:
             raise ValueError("num_steps > 1 needs a step where every sequence decodes")
-        if any(self.states[r].needs_single_steps for r in first.request_ids):
-            raise ValueError("num_steps > 1 cannot apply penalties, min_tokens or grammars: "
-                             "they need every token")
+        if run_lookahead and any(self.states[r].needs_single_steps for r in first.request_ids):
+            raise ValueError("a lookahead step cannot follow a row whose sampling needs every "
+                             "token (penalties, min_tokens, a grammar)")
         if run_lookahead:
             self._check_lookahead_slots(first, num_steps)
         tokens: torch.Tensor | None = None  # (B,) on the device: the last step's samples
@@ -473,7 +473,11 @@ class Worker:
         states = [self.states[request_id] for request_id in request_ids]
         constraints = self._constraints_for(states)
         if constraints is not None:
-            logits, _ = constraints.apply(logits, states)
+            # past a call's first step a row that needs every token keeps none of its samples
+            # (router/scheduler.py): its grammar, a step behind, is not asked
+            masked = states if offset == 0 else [None if s.needs_single_steps else s
+                                                 for s in states]
+            logits, _ = constraints.apply(logits, masked)
         return self.sampler(
             logits,
             [state.spec for state in states],
