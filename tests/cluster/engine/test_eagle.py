@@ -211,6 +211,9 @@ def test_on_a_gpu_graphs_keep_the_heads_features(tiny_models, heads):
         llm = LLM(str(tiny_models["llama"]), device="cuda", dtype="float32", block_size=16,
                   enforce_eager=enforce_eager,
                   speculative_config=eagle(heads["eagle3"], 3))
+        worker = llm.engine.executor.worker
+        # graphed: the target's and the head's (its chain and its catch-up); eager: neither
+        assert (worker.graphs is None, worker.eagle.graphs is None) == (enforce_eager,) * 2
         tokens = [out.token_ids for out in llm.generate(PROMPTS, GREEDY)]
         stats = llm.stats()
         llm.engine.shutdown()
