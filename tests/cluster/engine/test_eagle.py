@@ -220,3 +220,19 @@ def test_on_a_gpu_graphs_keep_the_heads_features(tiny_models, heads):
         return tokens, stats.spec_decode_num_accepted_tokens, stats.spec_decode_num_draft_tokens
 
     assert drafted(enforce_eager=False) == drafted(enforce_eager=True)
+
+
+def test_the_heads_step_buffers_hold_the_largest_graph_bucket(tiny_models, heads):
+    """Graphs of 5 sequences capture a bucket of 8 rows: the head's static feature buffers
+    are made for 8 (capture itself needs a GPU; the sizes are the CPU's to check)."""
+    from workers.cuda_graphs import capture_sizes
+    from workers.speculative.eagle.drafter import EagleDrafter
+
+    backend = ReferenceAttentionBackend()
+    target, config = load_model(tiny_models["llama"], torch.float32, "cpu",
+                                TensorParallelGroup.single(), backend, fused=False)
+    drafter = EagleDrafter(str(heads["eagle3"]), "eagle3", target, config, torch.float32,
+                           torch.device("cpu"), backend, 3, 4)
+    rows = capture_sizes(5)[-1]
+    chain, catch_up = drafter._steps(rows)
+    assert rows == 8 and chain.features.shape == (8, 64) and catch_up.features.shape == (8, 192)

@@ -159,9 +159,10 @@ class EagleDrafter:
     def capture_graphs(self, max_num_seqs: int) -> None:
         """CUDA graphs of the head's one-token steps (its chain; a catch-up whose rows fit),
         as the target has. One device, no collectives; eager if capture fails."""
-        from workers.cuda_graphs import DecodeGraphs
+        from workers.cuda_graphs import DecodeGraphs, capture_sizes
 
-        chain, catch_up = self._steps(max_num_seqs)
+        # room for the largest bucket's rows (it may be above max_num_seqs: 5 rows go in 8)
+        chain, catch_up = self._steps(capture_sizes(max_num_seqs)[-1])
         captured = []
         for step in (chain, catch_up):
             graphs = DecodeGraphs(step, self.kv_caches, max_num_seqs, self.max_model_len,
