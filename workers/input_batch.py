@@ -130,6 +130,25 @@ def build_verify_rows(
     return VerifyRows(rows, request_ids, drafts)
 
 
+def span_rows(request_ids: Sequence[str], spans: Sequence[list[int]], starts: Sequence[int],
+              block_ids: Sequence[list[int]], block_size: int) -> tuple[DecodeRows, np.ndarray]:
+    """Each sequence's ``spans[r]`` tokens as one-token rows at positions ``starts[r]``,
+    ``starts[r] + 1``, ... (a row sees the rows before it of its sequence: each layer stores
+    the step's K/V before it attends), and the index of each sequence's last row."""
+    ids, tokens, positions, tables = [], [], [], []
+    for request_id, span, start, blocks in zip(request_ids, spans, starts, block_ids,
+                                               strict=True):
+        ids += [request_id] * len(span)
+        tokens += span
+        positions += range(start, start + len(span))
+        tables += [blocks] * len(span)
+    table = block_table_array(tables)
+    pos = np.array(positions, dtype=np.int64)
+    rows = DecodeRows(ids, np.array(tokens, dtype=np.int64), pos,
+                      slots_of(table, np.arange(len(pos)), pos, block_size), table)
+    return rows, (np.cumsum([len(span) for span in spans]) - 1).astype(np.int64)
+
+
 def decode_batch(rows: DecodeRows, device: torch.device,
                  input_ids: torch.Tensor | None = None) -> InputBatch:
     """An eager InputBatch of a pure-decode step; ``input_ids`` (B,) on the device, when given,

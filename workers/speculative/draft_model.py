@@ -31,6 +31,7 @@ from workers.input_batch import (
     build_input_batch,
     forward_decode_rows,
     slots_of,
+    span_rows,
     to_device,
 )
 from workers.kv_cache import KVCaches, allocate_kv_caches, kv_bytes_per_block
@@ -145,7 +146,11 @@ class DraftModel:
         missing = [len(state.token_ids) - start for start, state in
                    zip(starts, states, strict=True)]
         if self._as_rows(missing):
-            rows, last = self._catch_up_rows(request_ids, states, starts)
+            # each row's unseen tokens at their positions
+            rows, last = span_rows(request_ids, [state.token_ids[start:] for state, start in
+                                                 zip(states, starts, strict=True)],
+                                   starts, [state.block_ids for state in states],
+                                   self.block_size)
             hidden = forward_decode_rows(self.model, self.kv_caches, self.graphs, rows,
                                          self.device)
             hidden = hidden[to_device(last, self.device)]
@@ -177,26 +182,6 @@ class DraftModel:
         if self.graphs is not None:
             return sum(missing) <= self.graphs.sizes[-1]
         return max(missing) <= 1 + self.num_drafts
-
-    def _catch_up_rows(self, request_ids: list[str], states: list[RowState],
-                       starts: list[int]) -> tuple[DecodeRows, np.ndarray]:
-        """Each row's unseen tokens as one-token rows at their positions (a row sees the
-        ones before it: each layer stores the step's K/V before it attends), and the index
-        of each row's newest."""
-        ids, tokens, positions, tables = [], [], [], []
-        for request_id, state, start in zip(request_ids, states, starts, strict=True):
-            end = len(state.token_ids)
-            ids += [request_id] * (end - start)
-            tokens += state.token_ids[start:end]
-            positions += range(start, end)
-            tables += [state.block_ids] * (end - start)
-        table = block_table_array(tables)
-        pos = np.array(positions, dtype=np.int64)
-        rows = DecodeRows(ids, np.array(tokens, dtype=np.int64), pos,
-                          slots_of(table, np.arange(len(pos)), pos, self.block_size), table)
-        last = np.cumsum([len(state.token_ids) - start for state, start in
-                          zip(states, starts, strict=True)]) - 1
-        return rows, last.astype(np.int64)
 
     def _known(self, request_id: str, state: RowState) -> int:
         """Leading positions of the row whose draft K/V is right (settling its last

@@ -35,6 +35,7 @@ from workers.input_batch import (
     build_input_batch,
     forward_decode_rows,
     slots_of,
+    span_rows,
     to_device,
 )
 from workers.kv_cache import KVCaches, allocate_kv_caches, kv_bytes_per_block
@@ -235,7 +236,11 @@ class EagleDrafter:
         missing = [last + 1 - start for start, last in zip(starts, lasts, strict=True)]
         self.caught_up += sum(missing)
         if self._as_rows(missing):
-            rows, newest = self._catch_up_rows(request_ids, states, starts, lasts)
+            # missed position p takes token p + 1
+            rows, newest = span_rows(
+                request_ids, [state.token_ids[start + 1:last + 2] for state, start, last in
+                              zip(states, starts, lasts, strict=True)],
+                starts, [state.block_ids for state in states], self.block_size)
             _, catch_up = self._steps(len(rows.request_ids))
             features = self.features[to_device(rows.slots, self.device)]
             out, stream = self._run_step(catch_up, 1, rows, features)
@@ -262,22 +267,3 @@ class EagleDrafter:
             room = min(self.graphs[1].sizes[-1], self.catch_up_step.features.shape[0])
             return sum(missing) <= room
         return max(missing) <= 1 + self.num_drafts
-
-    def _catch_up_rows(self, request_ids: list[str], states: list[RowState],
-                       starts: list[int], lasts: list[int]) -> tuple[DecodeRows, np.ndarray]:
-        """Each row's missed positions p as one-token rows taking token p + 1, and the index
-        of each row's newest (L - 2)."""
-        ids, tokens, positions, tables = [], [], [], []
-        for request_id, state, start, last in zip(request_ids, states, starts, lasts,
-                                                  strict=True):
-            ids += [request_id] * (last + 1 - start)
-            tokens += state.token_ids[start + 1:last + 2]
-            positions += range(start, last + 1)
-            tables += [state.block_ids] * (last + 1 - start)
-        table = block_table_array(tables)
-        pos = np.array(positions, dtype=np.int64)
-        rows = DecodeRows(ids, np.array(tokens, dtype=np.int64), pos,
-                          slots_of(table, np.arange(len(pos)), pos, self.block_size), table)
-        newest = np.cumsum([last + 1 - start for start, last in zip(starts, lasts,
-                                                                    strict=True)]) - 1
-        return rows, newest.astype(np.int64)
