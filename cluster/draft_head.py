@@ -62,42 +62,88 @@ def answer(llm, questions: list[str], max_tokens: int) -> list[tuple[list[int], 
     return [(out.prompt_token_ids, list(out.outputs[0].token_ids)) for out in outputs]
 
 
+@dataclass
+class Pack:
+    """Several examples trained in one step: their tokens end to end, ``segments`` saying
+    whose each token is, ``answer`` which tokens are answers'."""
+    examples: list[Example]
+    tokens: torch.Tensor
+    segments: torch.Tensor
+    answer: torch.Tensor
+
+
+def packs(examples: list[Example], order: list[int], pack_tokens: int) -> list[Pack]:
+    """The examples in ``order``, consecutive ones packed while they fit in ``pack_tokens``
+    (an example longer than that is a pack alone)."""
+    groups: list[list[Example]] = []
+    size = 0
+    for index in order:
+        example = examples[index]
+        if groups and size + len(example.tokens) <= pack_tokens:
+            groups[-1].append(example)
+            size += len(example.tokens)
+        else:
+            groups.append([example])
+            size = len(example.tokens)
+    out = []
+    for group in groups:
+        out.append(Pack(group, torch.cat([e.tokens for e in group]),
+                        torch.cat([torch.full((len(e.tokens),), i) for i, e in enumerate(group)]),
+                        torch.cat([torch.arange(len(e.tokens)) >= e.answer_start
+                                   for e in group])))
+    return out
+
+
 @torch.no_grad()  # not inference_mode: its tensors feed the head's backward
-def teacher_forced(hf, tokens: torch.Tensor, aux_layers: tuple[int, ...],  # type: ignore[no-untyped-def]
+def teacher_forced(hf, sequences: list[torch.Tensor], aux_layers: tuple[int, ...],  # type: ignore[no-untyped-def]
                    draft_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The streams the head reads (T, 3 H) and the target's next-token distribution over the
-    draft vocabulary (T, draft vocabulary) at every position of ``tokens``."""
-    out = hf(tokens[None], output_hidden_states=True)
+    draft vocabulary (T, draft vocabulary) at every position of ``sequences`` end to end
+    (T tokens in all), from one call over them right-padded."""
+    lengths = [len(tokens) for tokens in sequences]
+    device = sequences[0].device
+    ids = torch.zeros(len(sequences), max(lengths), dtype=torch.int64, device=device)
+    mask = torch.zeros_like(ids)
+    for row, tokens in enumerate(sequences):
+        ids[row, :len(tokens)] = tokens
+        mask[row, :len(tokens)] = 1
+    out = hf(ids, attention_mask=mask, output_hidden_states=True)
     streams = out.hidden_states  # [i]: entering layer i
-    features = torch.cat([streams[i][0] for i in aux_layers], dim=-1).float()
-    return features, out.logits[0].float()[:, draft_ids].softmax(-1)
+    features = torch.cat([torch.cat([streams[i][row, :length] for i in aux_layers], dim=-1)
+                          for row, length in enumerate(lengths)]).float()
+    logits = torch.cat([out.logits[row, :length, draft_ids]
+                        for row, length in enumerate(lengths)])
+    return features, logits.float().softmax(-1)
 
 
 def train_head(examples: list[Example], hf, head, epochs: int, steps: int, lr: float,  # type: ignore[no-untyped-def]
-               device: torch.device, seed: int, noise: float = 0.05) -> list[float]:
-    """Epochs of AdamW over the examples (one sequence a step, shuffled, the target's features
-    made for it and given a little noise); the mean loss of each epoch."""
+               device: torch.device, seed: int, pack_tokens: int = 2048,
+               noise: float = 0.05) -> list[float]:
+    """Epochs of AdamW over the examples (shuffled, packed up to ``pack_tokens`` a step, the
+    target's features made for each pack and given a little noise); each epoch's mean loss."""
     from workers.speculative.eagle.training import ttt_loss
 
     rng = random.Random(seed)
     params = [p for p in head.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
-    total_steps = max(1, epochs * len(examples))
-    schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=lr, total_steps=total_steps,
-                                                   pct_start=0.1)
-    aux, draft_ids = head.shape.aux_layer_ids, head.draft_ids
-    means = []
+    orders = []
     for _ in range(epochs):
         order = list(range(len(examples)))
         rng.shuffle(order)
+        orders.append(packs(examples, order, pack_tokens))
+    schedule = torch.optim.lr_scheduler.OneCycleLR(
+        optimizer, max_lr=lr, total_steps=max(1, sum(len(o) for o in orders)), pct_start=0.1)
+    aux, draft_ids = head.shape.aux_layer_ids, head.draft_ids
+    means = []
+    for epoch in orders:
         losses = []
-        for index in order:
-            example = examples[index]
-            tokens = example.tokens.to(device)
-            features, target_probs = teacher_forced(hf, tokens, aux, draft_ids)
+        for pack in epoch:
+            features, target_probs = teacher_forced(
+                hf, [e.tokens.to(device) for e in pack.examples], aux, draft_ids)
             features = features + noise * features.std() * torch.randn_like(features)
-            mask = torch.arange(len(tokens), device=device) >= example.answer_start
-            loss = ttt_loss(head(tokens, features, steps), target_probs, mask)
+            tokens, segments = pack.tokens.to(device), pack.segments.to(device)
+            loss = ttt_loss(head(tokens, features, steps, segments), target_probs,
+                            pack.answer.to(device), segments)
             optimizer.zero_grad()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 0.5)
@@ -131,7 +177,8 @@ def accepted_length(model: str, head: Path, questions: list[str], k: int, max_to
 
 def train_draft_head(model: str, output: Path, *, questions: int, self_written: int,
                      max_tokens: int, epochs: int, steps: int, lr: float, draft_vocab: int,
-                     held_out: int, k: int, device: str, seed: int) -> dict:
+                     held_out: int, k: int, device: str, seed: int,
+                     pack_tokens: int = 2048) -> dict:
     from transformers import AutoModelForCausalLM
 
     from cluster.engine.llm import LLM
@@ -169,7 +216,7 @@ def train_draft_head(model: str, output: Path, *, questions: int, self_written: 
     head = TrainableHead(shape, hf.get_input_embeddings().weight, draft_ids,
                          hf.get_output_embeddings().weight).to(torch_device)
     hf.requires_grad_(False)
-    losses = train_head(examples, hf, head, epochs, steps, lr, torch_device, seed)
+    losses = train_head(examples, hf, head, epochs, steps, lr, torch_device, seed, pack_tokens)
     del hf
     release_device_memory()
     save_head(head, output)

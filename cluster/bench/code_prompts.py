@@ -58,12 +58,26 @@ TASK = "Add type hints and a docstring to this Python function. Reply with the w
 def code_prompts(folder: Path, count: int) -> list[list[int]]:
     """``count`` prompts (the functions in turn), in the model's chat template when it has
     one, as token ids."""
+    return templated_prompts(folder, [TASK + "```python\n" + FUNCTIONS[i % len(FUNCTIONS)]
+                                      + "\n```" for i in range(count)])
+
+
+def chat_prompts(folder: Path, count: int) -> list[list[int]]:
+    """``count`` of the questions `tandem draft-head train` holds out by default (the last of
+    its built-in set, in turn): what a head trained by it has not seen."""
+    from cluster.draft_head_prompts import QUESTIONS
+
+    held_out = QUESTIONS[-8:]
+    return templated_prompts(folder, [held_out[i % len(held_out)] for i in range(count)])
+
+
+def templated_prompts(folder: Path, texts: list[str]) -> list[list[int]]:
+    """Each text as a user turn in the model's chat template when it has one, as token ids."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
     prompts = []
-    for i in range(count):
-        text = TASK + "```python\n" + FUNCTIONS[i % len(FUNCTIONS)] + "\n```"
+    for text in texts:
         if tokenizer.chat_template:
             ids = tokenizer.apply_chat_template([{"role": "user", "content": text}],
                                                 add_generation_prompt=True, tokenize=True)

@@ -28,7 +28,7 @@ import random
 import time
 from pathlib import Path
 
-from cluster.bench.code_prompts import code_prompts
+from cluster.bench.code_prompts import chat_prompts, code_prompts
 from cluster.bench.report import markdown_table
 from cluster.bench.workloads import latency_prompt
 from router.sampling_params import SamplingParams
@@ -186,6 +186,8 @@ def plain_runs(setup, batches: list[int], args) -> dict[int, tuple[list, list, f
     for batch in batches:
         if args.prompts == "code":
             prompts = code_prompts(Path(setup.folder), batch)
+        elif args.prompts == "chat":
+            prompts = chat_prompts(Path(setup.folder), batch)
         else:
             prompts = [latency_prompt(args.input_len, setup.vocab_size, seed=s)
                        for s in range(batch)]
@@ -349,9 +351,10 @@ def add_speculative_parser(workloads: argparse._SubParsersAction,
                         help="the share of right drafts the proposer makes")
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=256)
-    parser.add_argument("--prompts", choices=["random", "code"], default="random",
-                        help="random token ids (--input-len), or code to edit in the model's "
-                        "chat template (real models: cluster/bench/code_prompts.py)")
+    parser.add_argument("--prompts", choices=["random", "code", "chat"], default="random",
+                        help="random token ids (--input-len), code to edit, or the questions "
+                        "`tandem draft-head train` holds out, in the model's chat template "
+                        "(real models: cluster/bench/code_prompts.py)")
     parser.add_argument("--draft-shape", help="a random draft model of this shape in the "
                         "target's worker (its cost paid; the oracle still proposes)")
     parser.add_argument("--draft-model", help="a draft model folder instead of --draft-shape")

@@ -24,6 +24,8 @@ def add_draft_head_command(subparsers: argparse._SubParsersAction) -> None:
     train.add_argument("--ttt-steps", type=int, default=3,
                        help="training-time test steps (the drafts a chain learns)")
     train.add_argument("--lr", type=float, default=3e-4)
+    train.add_argument("--pack-tokens", type=int, default=2048,
+                       help="tokens a training step: answers packed end to end up to this")
     train.add_argument("--draft-vocab", type=int, default=8192,
                        help="the head's vocabulary: the answers' most frequent tokens")
     train.add_argument("--k", type=int, default=3, help="drafts a step when measuring")
@@ -35,13 +37,15 @@ def add_draft_head_command(subparsers: argparse._SubParsersAction) -> None:
 def run_train(args: argparse.Namespace) -> int:
     from cluster.draft_head import train_draft_head
 
-    for name in ("questions", "epochs", "ttt_steps", "draft_vocab", "k", "max_tokens"):
+    for name in ("questions", "epochs", "ttt_steps", "draft_vocab", "k", "max_tokens",
+                 "pack_tokens"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
     report = train_draft_head(
         args.model, Path(args.output), questions=args.questions,
         self_written=args.self_written, max_tokens=args.max_tokens, epochs=args.epochs,
         steps=args.ttt_steps, lr=args.lr, draft_vocab=args.draft_vocab,
-        held_out=args.held_out, k=args.k, device=args.device, seed=args.seed)
+        held_out=args.held_out, k=args.k, device=args.device, seed=args.seed,
+        pack_tokens=args.pack_tokens)
     print(json.dumps(report, indent=2))
     return 0

@@ -104,6 +104,8 @@ def main() -> int:
               "host_ms_per_step": {p: 1e3 * s / steps for p, s in parts.host.items()},
               "device_ms_per_step": {p: ms / steps for p, ms in device.items()}}
     graphs, draft_graphs = worker.graphs, worker.draft.graphs
+    if isinstance(draft_graphs, (tuple, list)):  # an EAGLE head's: (chain step, catch-up)
+        draft_graphs = draft_graphs[0]
     for name, owner, size in (("target", graphs, batch), ("target", graphs, batch * (k + 1)),
                               ("draft", draft_graphs, batch)):
         bucket = next((b for b in sorted(owner.graphs) if b >= size), None) if owner else None

@@ -11,8 +11,6 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-import httpx2 as httpx
-
 SERVED_MODEL = "smollm2-135m-instruct"
 FIXTURE = "served"  # the tests that ask for it make the collection hook start it
 
@@ -40,6 +38,8 @@ class ServedProcess:
         return "".join(self.lines)
 
     def wait_until_serving(self, timeout_s: float) -> None:
+        import httpx2 as httpx  # here: the conftest imports this module where no httpx is
+
         deadline = time.monotonic() + timeout_s
         while True:
             assert self.process.poll() is None, self.output

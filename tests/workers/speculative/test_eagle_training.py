@@ -108,3 +108,36 @@ def test_a_head_trained_on_a_sequence_predicts_its_target_better():
         optimizer.step()
         losses.append(loss.item())
     assert losses[-1] < 0.5 * losses[0]
+
+
+def test_packed_sequences_train_as_each_alone():
+    """Two sequences packed end to end give each one's own TTT logits and loss terms."""
+    head = random_head(2)
+    generator = torch.Generator().manual_seed(7)
+    first, second = torch.randint(0, 50, (9,), generator=generator), \
+        torch.randint(0, 50, (7,), generator=generator)
+    features = torch.randn(16, 3 * 64, generator=generator)
+    segments = torch.tensor([0] * 9 + [1] * 7)
+    with torch.no_grad():
+        packed = head(torch.cat([first, second]), features, steps=3, segments=segments)
+        alone = [head(first, features[:9], steps=3), head(second, features[9:], steps=3)]
+    for step in range(3):  # the rows predicting within their sequence (n - 1 - step of n)
+        torch.testing.assert_close(packed[step][:8 - 1 - step], alone[0][step][:8 - 1 - step],
+                                   rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(packed[step][9:15 - 1 - step],
+                                   alone[1][step][:6 - 1 - step], rtol=1e-5, atol=1e-5)
+    # the loss counts no prediction across the seam: equal to a loss over the two alone with
+    # each step's valid positions pooled
+    probs = torch.softmax(torch.randn(16, 20, generator=generator), -1)
+    answer = torch.ones(16, dtype=torch.bool)
+    loss = ttt_loss(packed, probs, answer, segments)
+    expected = torch.zeros(())
+    for step in range(3):
+        terms = []
+        for logits, part in ((alone[0][step], probs[:9]), (alone[1][step], probs[9:])):
+            n = part.shape[0] - 1
+            valid = torch.arange(n) + step + 2 <= n
+            terms.append(-(part[(torch.arange(n) + step + 1).clamp(max=n)]
+                           * logits.log_softmax(-1)).sum(-1)[valid])
+        expected = expected + 0.8 ** step * torch.cat(terms).mean()
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-5)

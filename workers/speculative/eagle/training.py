@@ -127,11 +127,14 @@ class TrainableHead(nn.Module):
         half = x.shape[-1] // 2
         return x * cos + torch.cat([-x[..., half:], x[..., :half]], -1) * sin
 
-    def forward(self, tokens: torch.Tensor, features: torch.Tensor,
-                steps: int) -> list[torch.Tensor]:
+    def forward(self, tokens: torch.Tensor, features: torch.Tensor, steps: int,
+                segments: torch.Tensor | None = None) -> list[torch.Tensor]:
         """``tokens`` (T,) of one sequence, ``features`` (T, 3H): each TTT step's draft
         logits (n, draft vocabulary) at indices i = 0..n-1 (n = T - 1), step j predicting
-        token i + j + 2 (rows past the sequence's end are computed and must be masked)."""
+        token i + j + 2 (rows past the sequence's end are computed and must be masked).
+        ``segments`` (T,), ascending, packs several sequences into one call: a token attends
+        within its own segment, at rotary positions counted from the segment's start (rows
+        predicting past their segment's end are computed and must be masked)."""
         shape, n = self.shape, tokens.shape[0] - 1
         heads, kv_heads, dim = shape.num_attention_heads, shape.num_key_value_heads, \
             shape.head_dim
@@ -139,10 +142,15 @@ class TrainableHead(nn.Module):
         hidden = self.fc(features[:n])
         keys: list[tuple[torch.Tensor, torch.Tensor]] = []  # per step: (K, V) (n, heads, dim)
         causal = index[None, :] <= index[:, None]  # step 0: key m <= query i
+        offset = index
+        if segments is not None:
+            own = segments[:n]
+            causal &= own[None, :] == own[:, None]
+            offset = index - torch.searchsorted(own, own)  # from the segment's first token
         logits = []
         for step in range(steps):
             ids = tokens[(index + step + 1).clamp(max=n)]
-            positions = index + step
+            positions = offset + step
             normed = rms_norm(hidden, self.hidden_norm, eps)
             x = torch.cat([rms_norm(self.embedding[ids], self.input_layernorm, eps), normed], -1)
             q = self._rotary(self.q_proj(x).view(n, heads, dim), positions)
@@ -171,16 +179,20 @@ class TrainableHead(nn.Module):
 
 
 def ttt_loss(logits: list[torch.Tensor], target_probs: torch.Tensor,
-             answer_mask: torch.Tensor) -> torch.Tensor:
+             answer_mask: torch.Tensor, segments: torch.Tensor | None = None) -> torch.Tensor:
     """Soft cross-entropy of each TTT step against the target's distribution (T, draft
     vocabulary) at the position before the predicted token, on answer tokens:
-    ``answer_mask`` (T,) says which tokens are the answer's."""
+    ``answer_mask`` (T,) says which tokens are the answer's; with ``segments`` (packed
+    sequences), only predictions within the anchor's own sequence count."""
     n = target_probs.shape[0] - 1
     total = torch.zeros((), device=target_probs.device)
+    index = torch.arange(n, device=target_probs.device)
     for step, step_logits in enumerate(logits):
-        predicted = torch.arange(n, device=target_probs.device) + step + 2  # the token's index
+        predicted = index + step + 2  # the token's index
         valid = predicted <= n
         valid &= answer_mask[predicted.clamp(max=n)]
+        if segments is not None:
+            valid &= segments[predicted.clamp(max=n)] == segments[index]
         if not valid.any():
             continue
         probs = target_probs[(predicted - 1).clamp(max=n)]
