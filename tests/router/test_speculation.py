@@ -2,6 +2,7 @@
 target's tokens, a draft model's steps and tokens, the proposer's host time), beat a plain
 step's rate."""
 
+import numpy as np
 import pytest
 
 from router.speculation import (
@@ -280,3 +281,29 @@ def test_sequences_that_start_together_learn_from_each_others_drafts():
     alone = DraftLength(max_drafts=4, costs=KnownCosts(*h100))
     alone.seqs = {row: Acceptance(alpha=0.54) for row in rows}
     assert set(alone.choose(rows, batch_size=8).values()) == {1}
+
+
+def test_the_nonnegative_fit_is_the_best_of_every_subset_fit():
+    """The active-set solve finds what trying all 63 subsets of the six costs found."""
+    import itertools
+
+    from router.speculation import FEATURES, _least_squares, _loss, _nonnegative_least_squares
+
+    rng = np.random.default_rng(0)
+    for trial in range(300):
+        calls = rng.uniform(0.1, 50, size=(int(rng.integers(6, 40)), FEATURES))
+        calls *= rng.integers(0, 2, size=(1, FEATURES))  # some costs never seen
+        if trial % 3 == 0:
+            calls[:, 1] = calls[:, 0]  # batch 1: a plain call's tokens are its steps
+        seconds = calls @ rng.normal(size=FEATURES) * 1e-3 + rng.normal(size=len(calls)) * 1e-4
+        xtx, xty = calls.T @ calls, calls.T @ seconds
+        scale = np.sqrt(np.maximum(np.diag(xtx), 1e-30))
+        gram, target = xtx / np.outer(scale, scale), xty / scale
+        subsets = [_least_squares(gram, target, free) for size in range(1, FEATURES + 1)
+                   for free in itertools.combinations(range(FEATURES), size)]
+        best = min((fit for fit in subsets if np.all(fit >= 0)),
+                   key=lambda fit: _loss(gram, target, fit), default=np.zeros(FEATURES))
+        fast = _nonnegative_least_squares(gram, target)
+        assert np.all(fast >= 0)
+        assert _loss(gram, target, fast) <= _loss(gram, target, best) + 1e-12 * abs(
+            _loss(gram, target, best))
