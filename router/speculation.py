@@ -193,6 +193,9 @@ class DraftLength:
     pool_alpha: float = PRIOR_ALPHA  # the draft's acceptance over every sequence's drafts
     pool_weight: float = POOL_PRIOR_WEIGHT
     steps: int = 0  # choose's calls: the clock the tries keep
+    # the last choice drafted nothing and nothing was learnt since (no verify, no new
+    # sequence): until the next try's step the choice is the same, made without a fit
+    quiet: bool = False
 
     def observe_proposer(self, seconds: float, asked: int) -> None:
         if asked:
@@ -210,6 +213,10 @@ class DraftLength:
             return dict.fromkeys(request_ids, self.max_drafts)
         seqs = [self._seq(request_id) for request_id in request_ids]
         self.steps += 1
+        if self.quiet and self.steps % RETRY_AFTER:
+            for seq in seqs:  # as _retry counts them
+                seq.steps_off += 1
+            return dict.fromkeys(request_ids, 0)
         fitted = self.costs.fit()
         lengths = [0] * len(seqs)
         if fitted is None:  # nothing measured yet: try, and measure
@@ -230,6 +237,7 @@ class DraftLength:
             if k:
                 seq.seen = tokens
             chosen[request_id] = k
+        self.quiet = fitted is not None and not any(chosen.values())
         return chosen
 
     def _try_pays(self, missed: int, batch_size: int, fitted: Costs) -> bool:
@@ -291,6 +299,7 @@ class DraftLength:
         the first rejected one is an observation of alpha (those after it were not tried).
         Any accepted draft brings the retry wait back to its start."""
         seq = self._seq(request_id)
+        self.quiet = False
         tried = min(num_accepted + 1, num_drafts)
         for index in range(tried):
             accepted = 1.0 if index < num_accepted else 0.0
@@ -306,6 +315,7 @@ class DraftLength:
         seq = self.seqs.get(request_id)
         if seq is None:
             seq = self.seqs[request_id] = Acceptance(prior=1.0)
+            self.quiet = False
         return seq
 
     def estimate(self, seq: Acceptance) -> float:

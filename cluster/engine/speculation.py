@@ -179,8 +179,10 @@ class Speculator:
                             sampled: Mapping[str, Sequence[int]], seconds: float) -> None:
         """The measured speedup: a verify step's time against what plain steps of the same
         batch would have taken for the tokens it made (from the fitted step cost)."""
+        if not any(item.num_drafts for item in output.scheduled):
+            return
         fitted = self.lengths.costs.fit()
-        if fitted is None or not any(item.num_drafts for item in output.scheduled):
+        if fitted is None:
             return
         a, b = fitted.a, fitted.b
         batch = len(output.scheduled)

@@ -307,3 +307,20 @@ def test_the_nonnegative_fit_is_the_best_of_every_subset_fit():
         assert np.all(fast >= 0)
         assert _loss(gram, target, fast) <= _loss(gram, target, best) + 1e-12 * abs(
             _loss(gram, target, best))
+
+
+def test_while_every_sequence_is_off_the_choice_needs_no_fit_until_a_try():
+    """Nothing drafted and nothing learnt: the next choices are the same without refitting
+    (a fit a call was the host's largest cost of speculation that is off); the try's step
+    fits again, and so does the step after a verify or a new sequence."""
+    lengths = DraftLength(max_drafts=4, costs=fitted(0.010, 0.0001))
+    lengths.seqs["a"] = Acceptance(alpha=0.0)
+    fits = []
+    fit = lengths.costs.fit
+    lengths.costs.fit = lambda: fits.append(lengths.steps) or fit()  # type: ignore[method-assign]
+    choices = [lengths.choose(["a"], batch_size=1)["a"] for _ in range(RETRY_AFTER)]
+    assert choices == [0] * (RETRY_AFTER - 1) + [1] and fits == [1, RETRY_AFTER]
+    lengths.record("a", num_drafts=1, num_accepted=0)
+    assert lengths.choose(["a"], batch_size=1) == {"a": 0}
+    assert lengths.choose(["a", "b"], batch_size=2) == {"a": 0, "b": 4}  # a new one
+    assert fits == [1, RETRY_AFTER, RETRY_AFTER + 1, RETRY_AFTER + 2]
