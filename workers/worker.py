@@ -162,8 +162,7 @@ class Worker:
         self._allocate_kv_cache(num_blocks)
         self.offloader = None
         if self.config.host_kv_cache_bytes:
-            # not the draft's: it recomputes what a sequence new to it needs when it drafts
-            tensors = layer_tensors(self.kv_caches)
+            tensors = layer_tensors(self.kv_caches) + self._draft_block_tensors()
             block_bytes = sum(t[0].numel() * t.element_size() for t in tensors)
             num_slots = self.config.host_kv_cache_bytes // block_bytes
             if num_slots < 1:
@@ -198,6 +197,16 @@ class Worker:
         return replace(self.offloader.info,
                        copy_bytes_per_s=self.offloader.measure_copy_bandwidth(),
                        prefill_tokens_per_s=self._measure_prefill_rate(num_blocks))
+
+    def _draft_block_tensors(self) -> list[torch.Tensor]:
+        """What a draft keeps by block that only the target's forward makes: an EAGLE head's
+        features, offloaded and loaded with the blocks' K/V (a draft model's K/V and the
+        head's own are recomputed on a sequence's first draft). At TP > 1 rank 0 alone has a
+        head, and every rank's slots must be alike: there the loaded blocks' features are not
+        restored (drafts after a tier hit are worse there, the output the same)."""
+        if self.eagle is None or self.tp.size > 1:
+            return []
+        return [self.eagle.block_features()]
 
     def _measure_prefill_rate(self, num_blocks: int) -> float:
         """Prompt tokens a second of one probe prefill (the second of two: the first warms

@@ -7,6 +7,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from cluster import LLM, SamplingParams
+from tests.cluster.engine.test_kv_tiers import GREEDY as TIER_GREEDY
+from tests.cluster.engine.test_kv_tiers import PROMPTS as TIER_PROMPTS
 from tests.cluster.engine.test_speculative import MAX_TOKENS, PROMPTS
 from tests.eagle_heads import write_head
 from workers.attention.reference import ReferenceAttentionBackend
@@ -236,3 +238,37 @@ def test_the_heads_step_buffers_hold_the_largest_graph_bucket(tiny_models, heads
     rows = capture_sizes(5)[-1]
     chain, catch_up = drafter._steps(rows)
     assert rows == 8 and chain.features.shape == (8, 64) and catch_up.features.shape == (8, 192)
+
+
+def test_blocks_loaded_from_the_host_tier_bring_their_features(tiny_models, heads):
+    """A sequence's first draft catches the head up over the features of every position
+    before it: for prefix blocks loaded back from the host tier those are the features the
+    target made when it computed them (the tiers copy them with the K/V), not whatever the
+    slots the blocks landed in held since."""
+    block_bytes = 4096  # a tiny llama block's K/V (2,048 B) and its head features, rounded up
+    llm = LLM(str(tiny_models["llama"]), device="cpu", dtype="float32", block_size=4,
+              num_kv_blocks=12, max_num_seqs=1, host_kv_cache_gb=100 * block_bytes / (1 << 30),
+              speculative_config=eagle(heads["eagle3"], 2))
+    drafter = llm.engine.executor.worker.eagle
+    first_drafts: list[dict] = [{}, {}]  # per pass: prompt -> features of its positions
+    draft = drafter.draft
+
+    def recording(request_ids, states, counts):  # type: ignore[no-untyped-def]
+        for request_id, state in zip(request_ids, states, strict=True):
+            if request_id not in drafter.computed:  # the catch-up reads every position
+                positions = torch.arange(len(state.token_ids) - 1)
+                slots = torch.tensor(state.block_ids)[positions // 4] * 4 + positions % 4
+                first_drafts[passes].setdefault(tuple(state.prompt_token_ids),
+                                                drafter.features[slots].clone())
+        return draft(request_ids, states, counts)
+
+    drafter.draft = recording
+    passes = 0
+    first = [out.token_ids for out in llm.generate(TIER_PROMPTS, TIER_GREEDY)]
+    llm.engine.scheduler.kv.reset_prefix_cache()  # the device forgets: the host tier serves
+    passes = 1
+    assert [out.token_ids for out in llm.generate(TIER_PROMPTS, TIER_GREEDY)] == first
+    assert llm.stats().host_cache_hits > 0
+    assert first_drafts[0].keys() == first_drafts[1].keys() and len(first_drafts[0]) == 8
+    for prompt, features in first_drafts[0].items():
+        torch.testing.assert_close(first_drafts[1][prompt], features, rtol=1e-5, atol=1e-5)

@@ -139,6 +139,11 @@ class EagleDrafter:
                                     dtype=self.dtype, device=self.device)
         self.computed.clear()
 
+    def block_features(self) -> torch.Tensor:
+        """The feature cache by block (blocks, block size, features): a view the KV tiers
+        copy with the target's K/V, so a block loaded back brings its features."""
+        return self.features.view(-1, self.block_size, self.config.feature_size)
+
     def build_rotary_table(self, max_model_len: int) -> None:
         self.max_model_len = max_model_len
         self.head.build_rotary_table(max_model_len)
