@@ -33,6 +33,7 @@ from workers.model_config import ModelConfig
 from workers.pending import Lookahead, PendingRead, copied_event, to_host
 from workers.request_state import RequestState, TokenHistory
 from workers.sampler import Sampler, SamplerOutput, SamplingSpec
+from workers.speculative.device_drafts import DeviceDrafts
 from workers.speculative.verify_step import merge_outputs, verify_rows, warm_up_verify
 from workers.step_input import (
     NewRequest,
@@ -310,10 +311,12 @@ class Worker:
         if step.num_steps > 1:
             return self._execute_decode_steps(step.scheduled, step.num_steps, step.lookahead,
                                               lookahead)
-        scheduled = self._with_model_drafts(step.scheduled)
+        scheduled, on_device = self._with_model_drafts(step.scheduled)
         verify = build_verify_rows(scheduled, self.states, self.config.block_size)
         if verify is not None:
-            return self._execute_verify(verify)
+            return self._execute_verify(verify, on_device)
+        if on_device is not None:  # not a step of decodes alone: its drafts go as tokens
+            scheduled = self._with_host_drafts(scheduled, on_device)
         if self.graphs is not None:
             rows = build_decode_rows(scheduled, self.states, self.config.block_size)
             hidden = self.graphs.run(rows) if rows is not None else None
@@ -330,20 +333,41 @@ class Worker:
                                          hidden[batch.sample_indices])
         return self._sample_and_read(batch.sample_request_ids, hidden[batch.sample_indices])
 
-    def _execute_verify(self, verify: VerifyRows) -> StepOutput | None:
+    def _execute_verify(self, verify: VerifyRows,
+                        on_device: DeviceDrafts | None) -> StepOutput | None:
         """A step of decodes with drafts, as decode rows (workers/input_batch.py): graphed
-        when a bucket holds its rows."""
-        hidden = self._forward_decode(verify.rows, None)
-        return self._verify_and_read(verify.request_ids, verify.drafts, hidden)
+        when a bucket holds its rows; drafts ``on_device`` are read there, by the forward and
+        the verify alike."""
+        input_ids = None
+        if on_device is not None:
+            starts = np.cumsum([0] + [1 + len(d) for d in verify.drafts])[:-1]
+            input_ids = on_device.verify_input(
+                verify.rows.input_ids, [int(starts[r]) for r, d in enumerate(verify.drafts) if d])
+        hidden = self._forward_decode(verify.rows, input_ids)
+        return self._verify_and_read(verify.request_ids, verify.drafts, hidden, on_device)
 
-    def _with_model_drafts(self, scheduled: list[ScheduledRequest]) -> list[ScheduledRequest]:
+    def _with_model_drafts(self, scheduled: list[ScheduledRequest]
+                           ) -> tuple[list[ScheduledRequest], DeviceDrafts | None]:
         """The step with the draft model's drafts in the rows that asked for some
-        (``num_model_drafts``), made now on rank 0 and broadcast to the other ranks."""
+        (``num_model_drafts``), made now on rank 0 and broadcast to the other ranks. On one
+        rank, with no grammar or logit_bias to apply to them, the drafts stay on the device
+        (workers/speculative/device_drafts.py): the rows carry placeholders, and the table
+        comes back beside the step."""
         wanted = [index for index, item in enumerate(scheduled) if item.num_model_drafts]
         if not wanted:
-            return scheduled
+            return scheduled, None
         ids = [scheduled[index].request_id for index in wanted]
         counts = [scheduled[index].num_model_drafts for index in wanted]
+        if self.draft is not None and self.tp.size == 1 and self._constraints_for(
+                [self.states[request_id] for request_id in ids]) is None:
+            table = self.draft.draft_table(ids, [self.states[i] for i in ids], counts)
+            # the drafts given with the step win (the benchmark's)
+            table = table.given([scheduled[index].draft_token_ids for index in wanted])
+            scheduled = list(scheduled)
+            for index, placeholder in zip(wanted, table.placeholders(), strict=True):
+                scheduled[index] = replace(scheduled[index], num_model_drafts=0,
+                                           draft_token_ids=placeholder)
+            return scheduled, table
         drafts = None
         if self.draft is not None:
             drafts = self.draft.draft(ids, [self.states[i] for i in ids], counts)
@@ -355,7 +379,15 @@ class Worker:
             # drafts it was sent win: the benchmark's, which prices the draft's work alone
             scheduled[index] = replace(scheduled[index], num_model_drafts=0,
                                        draft_token_ids=scheduled[index].draft_token_ids or row)
-        return scheduled
+        return scheduled, None
+
+    @staticmethod
+    def _with_host_drafts(scheduled: list[ScheduledRequest],
+                          on_device: DeviceDrafts) -> list[ScheduledRequest]:
+        """The placeholders replaced by the drafts, read from the device."""
+        drafts = iter(on_device.to_host())
+        return [replace(item, draft_token_ids=next(drafts)) if item.draft_token_ids else item
+                for item in scheduled]
 
     def _drafts_from_driver(self, drafts: list[list[int]] | None,
                             counts: list[int]) -> list[list[int]]:
@@ -454,7 +486,8 @@ class Worker:
         return self._start_read(request_ids, [self._sample(request_ids, logits)]).result()
 
     def _verify_and_read(self, request_ids: list[str], drafts: list[list[int]],
-                         hidden: torch.Tensor) -> StepOutput | None:
+                         hidden: torch.Tensor,
+                         on_device: DeviceDrafts | None = None) -> StepOutput | None:
         """A step with drafts: rows without any sample as ever; rows with some keep the
         drafts the target agrees with and one token more (workers/speculative/verify_step.py)."""
         logits = self.model.compute_logits(hidden)  # (sum of 1 + k, V); a collective under TP
@@ -471,7 +504,8 @@ class Worker:
         states = [self.states[request_ids[row]] for row in spec]
         pending = verify_rows(logits, [int(starts[row]) for row in spec],
                               [drafts[row] for row in spec], states, self.sampler.generator,
-                              self._constraints_for(states))
+                              self._constraints_for(states),
+                              on_device.table if on_device is not None else None)
         plain_out = read.result() if read is not None else None
         return merge_outputs(request_ids, plain, plain_out, spec, pending.result())
 

@@ -3,7 +3,7 @@
 Runs W5's oracle (``tandem bench speculative``: the draft model's cost paid, the oracle
 setting the acceptance) at one batch, alpha and k, to the oracle's fixed point, then once
 more with every engine step split into parts, each with its host time and, from CUDA events,
-the device's: the draft model's work (``DraftModel.draft``, up to the read of its drafts),
+the device's: the draft model's work (``DraftModel.draft_table``: its drafts stay on the device),
 the target's verify forward and verify, and the rest of the step (scheduler, outputs). The
 host time of a part that ends in a read to the host includes waiting for the device. The
 plain engine's decode step (one graph replay of the target at the batch) and the draft's
@@ -89,7 +89,7 @@ def main() -> int:
 
     worker = llm.engine.executor.worker
     parts = PartTimer()
-    parts.wrap(worker.draft, "draft", "draft (to its read)")
+    parts.wrap(worker.draft, "draft_table", "draft (left on the device)")
     parts.wrap(worker, "_execute_verify", "verify forward + read")
     parts.wrap(llm.engine.executor, "execute", "execute (all of the worker)")
     parts.wrap(llm.engine, "step", "engine step")

@@ -38,6 +38,7 @@ from workers.kv_cache import KVCaches, allocate_kv_caches, kv_bytes_per_block
 from workers.layers.parallel import TensorParallelGroup
 from workers.loader import load_model
 from workers.sampler import greedy
+from workers.speculative.device_drafts import DeviceDrafts, drafts_table
 from workers.step_input import ScheduledRequest
 
 
@@ -50,21 +51,25 @@ class RowState(Protocol):
 
 @dataclass
 class Drafted:
-    """A row's last drafting: its token count then, and the drafts it made."""
+    """A row's last drafting: its token count then, and the drafts it made (row ``row`` of
+    the step's table, left on the device: read when the next drafting settles them, after
+    the verify's read)."""
 
     num_tokens: int
-    drafts: list[int]
+    table: DeviceDrafts
+    row: int
 
     def valid_positions(self, token_ids: list[int]) -> int:
         """How many leading positions of the draft's cache hold the right K/V, now that the
         target's ``token_ids`` say which drafts were accepted."""
         start = self.num_tokens
+        drafts = self.table.to_host()[self.row]
         accepted = 0
-        for draft, token in zip(self.drafts, token_ids[start:], strict=False):
+        for draft, token in zip(drafts, token_ids[start:], strict=False):
             if draft != token:
                 break
             accepted += 1
-        return start - 1 + min(len(self.drafts), accepted + 1)
+        return start - 1 + min(len(drafts), accepted + 1)
 
 
 class DraftModel:
@@ -116,9 +121,13 @@ class DraftModel:
 
     def draft(self, request_ids: list[str], states: list[RowState],
               counts: list[int]) -> list[list[int]]:
+        return self.draft_table(request_ids, states, counts).to_host()
+
+    def draft_table(self, request_ids: list[str], states: list[RowState],
+                    counts: list[int]) -> DeviceDrafts:
         """``counts[r]`` drafts after each row's tokens (its state's, the newest of which the
-        target computes in this step). Each row's count fits its slots and the model's
-        length: the scheduler allocated the step's 1 + k tokens."""
+        target computes in this step), left on the device. Each row's count fits its slots
+        and the model's length: the scheduler allocated the step's 1 + k tokens."""
         tokens = self._catch_up(request_ids, states)
         order = sorted(range(len(states)), key=lambda r: -counts[r])  # the longest first
         rows = self._decode_rows([request_ids[r] for r in order], [states[r] for r in order])
@@ -130,13 +139,10 @@ class DraftModel:
             hidden = forward_decode_rows(self.model, self.kv_caches, self.graphs, step,
                                          self.device, proposed[-1][:live])
             proposed.append(greedy(self.model.compute_logits(hidden)))
-        drafts: list[list[int]] = [[] for _ in states]
-        for values in proposed:
-            for rank, token in enumerate(values.tolist()):
-                drafts[order[rank]].append(token)
-        for request_id, state, row in zip(request_ids, states, drafts, strict=True):
-            self.drafted[request_id] = Drafted(len(state.token_ids), row)
-        return drafts
+        table = drafts_table(proposed, order, counts)
+        for row, (request_id, state) in enumerate(zip(request_ids, states, strict=True)):
+            self.drafted[request_id] = Drafted(len(state.token_ids), table, row)
+        return table
 
     def _catch_up(self, request_ids: list[str], states: list[RowState]) -> torch.Tensor:
         """The first draft of each row, from one forward over the tokens the draft has not

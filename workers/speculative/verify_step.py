@@ -36,14 +36,18 @@ class PendingTokens:
 
 def verify_rows(logits: torch.Tensor, starts: Sequence[int], drafts: Sequence[list[int]],
                 states: Sequence[RequestState], shared: torch.Generator | None,
-                constraints: "LogitConstraints | None" = None) -> PendingTokens:
+                constraints: "LogitConstraints | None" = None,
+                on_device: torch.Tensor | None = None) -> PendingTokens:
     """``logits`` (S, V): row r's 1 + k_r positions start at ``starts[r]`` (the token before
     its first draft, then each draft). Rows are padded to the longest k (the padding is never
     accepted: ``verify`` reads each row's own count).
 
     ``constraints``: each position's logit_bias and grammar mask (the grammar's state after
     the drafts before it), so verification is exact for the constrained distribution; a
-    draft the grammar refuses ends its row's drafts there."""
+    draft the grammar refuses ends its row's drafts there.
+
+    ``on_device``: the drafts (B, k) on the device, where ``drafts`` holds placeholders of
+    their lengths (workers/speculative/device_drafts.py; never with constraints)."""
     device = logits.device
     k = max(len(d) for d in drafts)
     batch, vocab = len(drafts), logits.shape[-1]
@@ -60,7 +64,7 @@ def verify_rows(logits: torch.Tensor, starts: Sequence[int], drafts: Sequence[li
         rows, valid = constraints.apply(rows, states, drafts, width=k + 1)
         if valid != [len(d) for d in drafts]:
             num_drafts = torch.tensor(valid, dtype=torch.int64).to(device, non_blocking=True)
-    draft_ids = draft_ids.view(batch, k)
+    draft_ids = draft_ids.view(batch, k) if on_device is None else on_device
     if all(state.spec.is_greedy for state in states):
         tokens, counts = verify_greedy(greedy(rows).view(batch, k + 1), draft_ids, num_drafts)
     else:

@@ -251,7 +251,7 @@ def test_blocks_loaded_from_the_host_tier_bring_their_features(tiny_models, head
               speculative_config=eagle(heads["eagle3"], 2))
     drafter = llm.engine.executor.worker.eagle
     first_drafts: list[dict] = [{}, {}]  # per pass: prompt -> features of its positions
-    draft = drafter.draft
+    draft = drafter.draft_table
 
     def recording(request_ids, states, counts):  # type: ignore[no-untyped-def]
         for request_id, state in zip(request_ids, states, strict=True):
@@ -262,7 +262,7 @@ def test_blocks_loaded_from_the_host_tier_bring_their_features(tiny_models, head
                                                 drafter.features[slots].clone())
         return draft(request_ids, states, counts)
 
-    drafter.draft = recording
+    drafter.draft_table = recording
     passes = 0
     first = [out.token_ids for out in llm.generate(TIER_PROMPTS, TIER_GREEDY)]
     llm.engine.scheduler.kv.reset_prefix_cache()  # the device forgets: the host tier serves

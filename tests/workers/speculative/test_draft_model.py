@@ -6,6 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from workers.speculative.device_drafts import DeviceDrafts
 from workers.speculative.draft_follower import DraftState
 from workers.speculative.draft_model import Drafted, DraftModel
 from workers.worker_config import make_attention_backend
@@ -110,7 +111,8 @@ def test_a_row_a_few_tokens_behind_catches_up_as_one_token_rows(draft, greedy):
 
 
 def test_which_positions_stay_valid_after_a_verify():
-    drafted = Drafted(10, [5, 6, 7])  # drafted at 10 tokens: its steps wrote positions 9-11
+    # drafted at 10 tokens: its steps wrote positions 9-11
+    drafted = Drafted(10, DeviceDrafts(torch.tensor([[5, 6, 7]]), [3]), 0)
     tokens = list(range(10))
     assert drafted.valid_positions(tokens + [5, 6, 7, 8]) == 12  # all kept, and the bonus
     assert drafted.valid_positions(tokens + [5, 6, 9]) == 12  # the 3rd rejected

@@ -39,6 +39,7 @@ from workers.input_batch import (
     to_device,
 )
 from workers.kv_cache import KVCaches, allocate_kv_caches, kv_bytes_per_block
+from workers.speculative.device_drafts import DeviceDrafts, drafts_table
 from workers.speculative.draft_model import RowState
 from workers.speculative.eagle.head import EagleHead
 from workers.speculative.eagle.head_config import read_head_config
@@ -199,11 +200,16 @@ class EagleDrafter:
         caught_up, self.caught_up = self.caught_up, 0
         return caught_up
 
-    @torch.inference_mode()
     def draft(self, request_ids: list[str], states: list[RowState],
               counts: list[int]) -> list[list[int]]:
+        return self.draft_table(request_ids, states, counts).to_host()
+
+    @torch.inference_mode()
+    def draft_table(self, request_ids: list[str], states: list[RowState],
+                    counts: list[int]) -> DeviceDrafts:
         """``counts[r]`` greedy drafts after each row's tokens (the target computes the newest
-        in this step; the scheduler allocated the slots of the step's 1 + k tokens)."""
+        in this step; the scheduler allocated the slots of the step's 1 + k tokens), left on
+        the device."""
         stream, first = self._catch_up(request_ids, states)
         order = sorted(range(len(states)), key=lambda r: -counts[r])  # the longest first
         chain, _ = self._steps(len(states))
@@ -221,11 +227,7 @@ class EagleDrafter:
             out, stream = self._run_step(chain, 0, step_rows, stream[:live],
                                          proposed[-1][:live])
             proposed.append(self.head.draft_tokens(out))
-        drafts: list[list[int]] = [[] for _ in states]
-        for values in proposed:
-            for rank, token in enumerate(values.tolist()):
-                drafts[order[rank]].append(token)
-        return [row[:count] for row, count in zip(drafts, counts, strict=True)]
+        return drafts_table(proposed, order, counts)
 
     def _catch_up(self, request_ids: list[str], states: list[RowState]
                   ) -> tuple[torch.Tensor, torch.Tensor]:
