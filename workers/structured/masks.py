@@ -4,11 +4,13 @@
 logprobs are the constrained distribution's (as vLLM's).
 
 The masks are filled on the host after the step's forward is queued, so on a GPU they are
-filled while the device runs it; one copy from a persistent pinned buffer takes them over.
+filled while the device runs it; one copy from a persistent pinned buffer takes them over, and
+one kernel applies them in place (workers/structured/mask_kernel.py).
 """
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from workers.request_state import RequestState
@@ -93,8 +95,14 @@ class LogitConstraints:
         return broken
 
     def _mask(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
-        """Disallowed tokens of ``rows`` to -inf: one copy of their words to the device, the
-        bits unpacked there."""
+        """Disallowed tokens of ``rows`` to -inf: on a GPU one copy of the pinned words and
+        one kernel (workers/structured/mask_kernel.py); else the bits unpacked by torch."""
+        if self.device.type == "cuda":
+            from workers.structured.mask_kernel import apply_token_bitmask
+
+            words, index = packed_words(bitmask, rows, self.device)
+            apply_token_bitmask(logits, words, index)
+            return
         if len(rows) == logits.shape[0]:
             words = bitmask.to(self.device, non_blocking=True)  # (R, W) int32
             index = None
@@ -107,6 +115,16 @@ class LogitConstraints:
             logits.masked_fill_(refused, float("-inf"))
         else:
             logits[index] = logits[index].masked_fill(refused, float("-inf"))
+
+
+def packed_words(bitmask: torch.Tensor, rows: list[int],
+                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The words of every row and the indices of ``rows`` on the device, each a
+    non-blocking copy from pinned memory (the forward runs on meanwhile)."""
+    from workers.input_batch import to_device
+
+    words = bitmask.to(device, non_blocking=True)
+    return words, to_device(np.asarray(rows, dtype=np.int64), device)
 
 
 def add_logit_bias(logits: torch.Tensor,
