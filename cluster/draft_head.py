@@ -178,7 +178,7 @@ def accepted_length(model: str, head: Path, questions: list[str], k: int, max_to
 def train_draft_head(model: str, output: Path, *, questions: int, self_written: int,
                      max_tokens: int, epochs: int, steps: int, lr: float, draft_vocab: int,
                      held_out: int, k: int, device: str, seed: int,
-                     pack_tokens: int = 2048) -> dict:
+                     pack_tokens: int = 2048, init: Path | None = None) -> dict:
     from transformers import AutoModelForCausalLM
 
     from cluster.engine.llm import LLM
@@ -186,6 +186,7 @@ def train_draft_head(model: str, output: Path, *, questions: int, self_written: 
         HeadShape,
         TrainableHead,
         draft_vocabulary,
+        load_trainable_head,
         save_head,
     )
 
@@ -208,13 +209,17 @@ def train_draft_head(model: str, output: Path, *, questions: int, self_written: 
     torch_device = torch.device("cuda" if device != "cpu" and torch.cuda.is_available()
                                 else "cpu")
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).to(torch_device)
-    shape = HeadShape.for_target(hf.config, draft_vocab)
-    draft_ids = draft_vocabulary([reply for _, reply in pairs], shape.draft_vocab_size)
     examples = [Example(torch.tensor(question + reply), len(question))
                 for question, reply in pairs]
     torch.manual_seed(seed)
-    head = TrainableHead(shape, hf.get_input_embeddings().weight, draft_ids,
-                         hf.get_output_embeddings().weight).to(torch_device)
+    embedding, lm_head = hf.get_input_embeddings().weight, hf.get_output_embeddings().weight
+    if init is not None:  # go on training a head written before
+        head = load_trainable_head(init, hf.config, embedding, lm_head).to(torch_device)
+    else:
+        shape = HeadShape.for_target(hf.config, draft_vocab)
+        draft_ids = draft_vocabulary([reply for _, reply in pairs], shape.draft_vocab_size)
+        head = TrainableHead(shape, embedding, draft_ids, lm_head).to(torch_device)
+    draft_ids = head.draft_ids
     hf.requires_grad_(False)
     losses = train_head(examples, hf, head, epochs, steps, lr, torch_device, seed, pack_tokens)
     del hf

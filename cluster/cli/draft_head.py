@@ -28,6 +28,8 @@ def add_draft_head_command(subparsers: argparse._SubParsersAction) -> None:
                        help="tokens a training step: answers packed end to end up to this")
     train.add_argument("--draft-vocab", type=int, default=8192,
                        help="the head's vocabulary: the answers' most frequent tokens")
+    train.add_argument("--init", help="a head this command wrote: train it further (its "
+                       "draft vocabulary kept)")
     train.add_argument("--k", type=int, default=3, help="drafts a step when measuring")
     train.add_argument("--device", default="auto")
     train.add_argument("--seed", type=int, default=0)
@@ -46,6 +48,6 @@ def run_train(args: argparse.Namespace) -> int:
         self_written=args.self_written, max_tokens=args.max_tokens, epochs=args.epochs,
         steps=args.ttt_steps, lr=args.lr, draft_vocab=args.draft_vocab,
         held_out=args.held_out, k=args.k, device=args.device, seed=args.seed,
-        pack_tokens=args.pack_tokens)
+        pack_tokens=args.pack_tokens, init=Path(args.init) if args.init else None)
     print(json.dumps(report, indent=2))
     return 0

@@ -38,6 +38,16 @@ def test_a_head_is_trained_written_and_measured(tiny_chat_model, tmp_path, capsy
                                       "num_speculative_tokens": 2})
     same = drafted.chat([{"role": "user", "content": "Why is the sky blue?"}], greedy)
     assert same[0].outputs[0].token_ids == plain[0].outputs[0].token_ids
+    drafted.engine.shutdown()
+    # --init: the written head trained further, its draft vocabulary kept (not --draft-vocab's)
+    assert main(["draft-head", "train", "--model", str(tiny_chat_model), "--output",
+                 str(tmp_path / "more"), "--init", str(output), "--questions", "2",
+                 "--held-out", "0", "--max-tokens", "8", "--epochs", "1", "--draft-vocab",
+                 "16", "--device", "cpu"]) == 0
+    more = json.loads(capsys.readouterr().out)
+    assert more["draft_vocab"] == report["draft_vocab"] and len(more["epoch_losses"]) == 1
+    assert read_head_config(tmp_path / "more", load_config(tiny_chat_model)).draft_vocab_size \
+        == report["draft_vocab"]
 
 
 def test_a_head_has_the_targets_layer_shape_and_a_capped_vocabulary():

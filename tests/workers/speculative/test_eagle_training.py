@@ -2,6 +2,7 @@
 equals the saved head's chain anchored at i, run by the engine's head over the paged cache),
 the draft vocabulary, and a head that learns."""
 
+import pytest
 import torch
 from transformers import LlamaConfig
 
@@ -22,6 +23,7 @@ from workers.speculative.eagle.training import (
     HeadShape,
     TrainableHead,
     draft_vocabulary,
+    load_trainable_head,
     save_head,
     ttt_loss,
 )
@@ -141,3 +143,24 @@ def test_packed_sequences_train_as_each_alone():
                            * logits.log_softmax(-1)).sum(-1)[valid])
         expected = expected + 0.8 ** step * torch.cat(terms).mean()
     torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_a_written_head_is_read_back_to_train_on(tmp_path):
+    """--init: the head as written (float32 here), its draft vocabulary and streams kept;
+    one written for another target's shape is refused with what differs."""
+    head = random_head(3)
+    save_head(head, tmp_path / "head", dtype=torch.float32)
+    target_lm_head = torch.zeros(50, 64)  # overwritten by the written head's
+    again = load_trainable_head(tmp_path / "head", TARGET, head.embedding, target_lm_head)
+    assert torch.equal(again.draft_ids, head.draft_ids)
+    assert again.shape == head.shape
+    tokens = torch.randint(0, 50, (10,), generator=torch.Generator().manual_seed(8))
+    features = torch.randn(10, 3 * 64, generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        for ours, theirs in zip(again(tokens, features, 3), head(tokens, features, 3),
+                                strict=True):
+            assert torch.equal(ours, theirs)
+    wider = LlamaConfig(**{**TARGET.to_dict(), "intermediate_size": 128})
+    with pytest.raises(ValueError, match=r"midlayer.mlp.gate_proj.weight is \(96, 64\), the "
+                                         r"target gives \(128, 64\)"):
+        load_trainable_head(tmp_path / "head", wider, head.embedding, target_lm_head)

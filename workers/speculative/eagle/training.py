@@ -201,14 +201,9 @@ def ttt_loss(logits: list[torch.Tensor], target_probs: torch.Tensor,
     return total
 
 
-def save_head(model: TrainableHead, folder: Path, dtype: torch.dtype = torch.bfloat16) -> None:
-    """The head in the yuhuili / SpecForge EAGLE-3 layout (tensors in ``dtype``)."""
-    from safetensors.torch import save_file
-
-    shape = model.shape
-    folder.mkdir(parents=True, exist_ok=True)
-    draft_ids = model.draft_ids.cpu()
-    tensors = {
+def checkpoint_tensors(model: TrainableHead) -> dict[str, torch.Tensor]:
+    """The head's trained tensors under their EAGLE-3 checkpoint names."""
+    return {
         "fc.weight": model.fc.weight,
         "midlayer.self_attn.q_proj.weight": model.q_proj.weight,
         "midlayer.self_attn.k_proj.weight": model.k_proj.weight,
@@ -223,7 +218,17 @@ def save_head(model: TrainableHead, folder: Path, dtype: torch.dtype = torch.bfl
         "norm.weight": model.norm,
         "lm_head.weight": model.lm_head.weight,
     }
-    out = {name: t.detach().to("cpu", dtype).contiguous() for name, t in tensors.items()}
+
+
+def save_head(model: TrainableHead, folder: Path, dtype: torch.dtype = torch.bfloat16) -> None:
+    """The head in the yuhuili / SpecForge EAGLE-3 layout (tensors in ``dtype``)."""
+    from safetensors.torch import save_file
+
+    shape = model.shape
+    folder.mkdir(parents=True, exist_ok=True)
+    draft_ids = model.draft_ids.cpu()
+    out = {name: t.detach().to("cpu", dtype).contiguous()
+           for name, t in checkpoint_tensors(model).items()}
     out["d2t"] = draft_ids - torch.arange(len(draft_ids))
     out["t2d"] = torch.zeros(shape.vocab_size, dtype=torch.bool).index_fill_(0, draft_ids, True)
     save_file(out, str(folder / "model.safetensors"))
@@ -240,3 +245,24 @@ def save_head(model: TrainableHead, folder: Path, dtype: torch.dtype = torch.bfl
         "torch_dtype": str(dtype).removeprefix("torch."),
     }
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def load_trainable_head(folder: Path, target, embedding: torch.Tensor,  # type: ignore[no-untyped-def]
+                        lm_head: torch.Tensor) -> TrainableHead:
+    """A head ``save_head`` wrote, to train on (more epochs, more answers, another call of a
+    device with a time limit): its draft vocabulary and streams kept, refused when its shape
+    is not the one ``target`` gives."""
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(Path(folder) / "model.safetensors"))
+    config = json.loads((Path(folder) / "config.json").read_text())
+    draft_ids = torch.arange(len(tensors["d2t"])) + tensors["d2t"]
+    shape = HeadShape.for_target(target, len(draft_ids),
+                                 tuple(config["eagle_aux_hidden_state_layer_ids"]))
+    head = TrainableHead(shape, embedding, draft_ids, lm_head)
+    for name, parameter in checkpoint_tensors(head).items():
+        if tensors[name].shape != parameter.shape:
+            raise ValueError(f"{folder}: {name} is {tuple(tensors[name].shape)}, the target "
+                             f"gives {tuple(parameter.shape)}")
+        parameter.data.copy_(tensors[name].float())
+    return head
