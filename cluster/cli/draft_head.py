@@ -31,7 +31,8 @@ def add_draft_head_command(subparsers: argparse._SubParsersAction) -> None:
     train.add_argument("--init", help="a head this command wrote: train it further (its "
                        "draft vocabulary kept)")
     train.add_argument("--k", type=int, default=3, help="drafts a step when measuring")
-    train.add_argument("--device", default="auto")
+    train.add_argument("--device", default="auto", help="auto (cuda when present, else cpu) | "
+                       "cpu | cuda | cuda:N")
     train.add_argument("--seed", type=int, default=0)
     train.set_defaults(handler=run_train)
 

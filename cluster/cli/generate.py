@@ -19,7 +19,8 @@ def add_generate_command(subparsers: argparse._SubParsersAction) -> None:
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
-    gen.add_argument("--device", default="auto")
+    gen.add_argument("--device", default="auto", help="auto (cuda when present, else cpu) | "
+                     "cpu | cuda | cuda:N")
     gen.add_argument("--dtype", default="auto")
     gen.add_argument("--tp", type=int, default=1, help="tensor-parallel size (uses Ray)")
     gen.add_argument("--json", action="store_true", help="print one JSON object per output")
