@@ -74,6 +74,16 @@ def swap_pays(rates: TransferRates | None, num_copy_blocks: int, num_load_blocks
     return swap < rates.recompute_seconds(num_recompute_tokens)
 
 
+def load_pays(rates: TransferRates | None, num_load_blocks: int, num_recompute_tokens: int,
+              queued_blocks: int = 0) -> bool:
+    """Whether loading ``num_load_blocks`` from the host tier beats recomputing their tokens,
+    the load landing after the ``queued_blocks`` queued before it. Unmeasured rates: load."""
+    if rates is None:
+        return True
+    return rates.copy_seconds(queued_blocks + num_load_blocks) < rates.recompute_seconds(
+        num_recompute_tokens)
+
+
 def load_tokens(rates: TransferRates | None, num_blocks: int) -> float:
     """What loading ``num_blocks`` from a replica's own host tier costs, in prompt tokens.
     Unmeasured rates: nothing (a load is assumed to beat recomputing, as ``swap_pays`` does)."""

@@ -43,6 +43,7 @@ from kvstore.kv_cache_manager import KVCacheManager
 from kvstore.tiers import LoadResult
 from kvstore.transfers import TransferReport
 from router.kv_pricing import TransferRates, swap_pays
+from router.live_rates import LiveRates
 from router.prefill_delay import PrefillDelay
 from router.sequence import FinishReason, Sequence, SequenceStatus
 from router.tier_loads import TierLoads
@@ -110,10 +111,11 @@ class Scheduler:
                  rates: TransferRates | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         """``rates``: measured at start-up, they price swaps and loads against recomputes
-        (None: always swap and load)."""
+        (None: always swap and load), moved by what the running engine measures
+        (router/live_rates.py)."""
         self.config = config
         self.kv = kv
-        self.rates = rates
+        self.rates = LiveRates(rates) if rates is not None else None
         self.clock = clock
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -122,7 +124,7 @@ class Scheduler:
         self._released: list[str] = []
         self.prefill_delay = PrefillDelay(config.scheduler_delay_factor)
         # waiting for blocks from the host tier or disk
-        self.loads = TierLoads(kv, rates, clock, config.kv_load_timeout_s)
+        self.loads = TierLoads(kv, self.rates, clock, config.kv_load_timeout_s)
         self.loading = self.loads.loading  # by request id
 
     def add(self, seq: Sequence) -> None:
@@ -304,10 +306,21 @@ class Scheduler:
             if in_flight is not None:
                 in_flight.update(self.kv.uncached_hashes(seq.request_id))
 
+    def observe_step(self, output: SchedulerOutput, seconds: float) -> None:
+        """A step's time: the prefill rate loads are priced against (router/live_rates.py)."""
+        if self.rates is None:
+            return
+        tokens = [item.num_new_tokens for item in output.scheduled]
+        prompt = sum(item.num_new_tokens for item in output.scheduled
+                     if item.num_new_tokens > 1 + item.num_drafts)
+        self.rates.observe_step(prompt, sum(tokens), seconds)
+
     def apply_transfers(self, report: TransferReport) -> dict[str, LoadResult]:
         """The workers' report of KV copies: each sequence whose load landed goes back to the
         head of the queue, where it finds its blocks as prefix hits (tier_loads.py). Returns
         the finished loads' results."""
+        if self.rates is not None:
+            self.rates.observe_copies(report.copied_bytes, report.copy_seconds)
         results, back = self.loads.landed(report)
         self.waiting.extendleft(reversed(back))
         return results
@@ -434,7 +447,8 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         seq.spec_token_ids, seq.num_model_drafts = [], 0
         num_blocks = self.kv.num_cached_blocks(seq.request_id)
-        if swap_pays(self.rates, self.kv.num_missing_from_host(seq.request_id), num_blocks,
+        rates = self.rates.current() if self.rates is not None else None
+        if swap_pays(rates, self.kv.num_missing_from_host(seq.request_id), num_blocks,
                      num_blocks * self.kv.block_size):
             self.kv.swap_out(seq.request_id)
         self.kv.free(seq.request_id)

@@ -6,7 +6,8 @@ scheduler runs the others meanwhile and puts it back at the head of the queue wh
 report the blocks landed (``landed``), or when the load is given up: not back within
 ``timeout_s`` (``expired``), or back with no block intact. A sequence whose load was given up
 loads no more; it recomputes. A load is started only where it is cheaper than recomputing the
-same tokens (kv_pricing.py).
+same tokens (kv_pricing.py), at the rates the engine measures as it runs, behind the loads
+queued before it (live_rates.py).
 """
 
 from collections.abc import Callable
@@ -15,12 +16,13 @@ from kvstore.block_pool import KVBlock
 from kvstore.kv_cache_manager import KVCacheManager
 from kvstore.tiers import LoadResult, OffloadHits
 from kvstore.transfers import TransferReport
-from router.kv_pricing import TransferRates, swap_pays
+from router.kv_pricing import load_pays
+from router.live_rates import LiveRates
 from router.sequence import Sequence
 
 
 class TierLoads:
-    def __init__(self, kv: KVCacheManager, rates: TransferRates | None,
+    def __init__(self, kv: KVCacheManager, rates: LiveRates | None,
                  clock: Callable[[], float], timeout_s: float) -> None:
         self.kv = kv
         self.rates = rates
@@ -39,8 +41,11 @@ class TierLoads:
         if seq.request_id in self.recomputes:
             return None
         below = self.kv.find_offloaded(seq.request_id, seq.token_ids, num_hits)
-        if below is None or not swap_pays(self.rates, 0, below.num_blocks,
-                                          below.num_blocks * self.kv.block_size):
+        if below is None:
+            return None
+        rates, queued = (self.rates.current(), self.rates.queued_blocks) if self.rates else (
+            None, 0)
+        if not load_pays(rates, below.num_blocks, below.num_blocks * self.kv.block_size, queued):
             return None
         return below
 
@@ -55,6 +60,8 @@ class TierLoads:
         if count:
             self.loading[seq.request_id] = seq
             self.started[seq.request_id] = self.clock()
+            if self.rates is not None:
+                self.rates.load_started(seq.request_id, count)
         else:
             self.kv.free(seq.request_id)
         return count
@@ -68,6 +75,7 @@ class TierLoads:
         for request_id in [r for r, t in self.started.items() if t <= deadline]:
             del self.started[request_id]
             seq = self.loading.pop(request_id)
+            self._ended(request_id)
             self.kv.free(request_id)
             self.recomputes.add(request_id)
             given_up.append(seq)
@@ -83,6 +91,7 @@ class TierLoads:
             seq = self.loading.pop(request_id, None)
             if seq is None:
                 continue  # aborted or given up while it loaded
+            self._ended(request_id)
             self.started.pop(request_id, None)
             if num_loaded == 0:  # the copy failed: its blocks would fail again
                 self.recomputes.add(request_id)
@@ -101,7 +110,12 @@ class TierLoads:
         """The request ends: its sequence if it was loading (the caller frees its blocks)."""
         self.started.pop(request_id, None)
         self.recomputes.discard(request_id)
+        self._ended(request_id)
         seq = self.loading.pop(request_id, None)
         if seq is None:
             self.loaded_tokens.pop(request_id, None)
         return seq
+
+    def _ended(self, request_id: str) -> None:
+        if self.rates is not None:
+            self.rates.load_ended(request_id)

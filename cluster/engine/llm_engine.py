@@ -321,6 +321,7 @@ class LLMEngine:
             step = self.speculator.before_step(step)
         result = self.executor.execute(step)
         seconds = time.perf_counter() - started
+        self.scheduler.observe_step(scheduled, seconds)
         if result.transfers is not None and not result.transfers.is_empty:
             for load in self.scheduler.apply_transfers(result.transfers).values():
                 self.metrics.kv_load_latency.observe(load.seconds)
