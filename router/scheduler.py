@@ -47,6 +47,7 @@ from router.live_rates import LiveRates
 from router.prefill_delay import PrefillDelay
 from router.sequence import FinishReason, Sequence, SequenceStatus
 from router.tier_loads import TierLoads
+from router.token_budget import TokenBudget
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,7 @@ class SchedulerConfig:
     # False: a prompt is prefilled in one step or waits (its uncached tokens fit the budget)
     enable_chunked_prefill: bool = True
     scheduler_delay_factor: float = 0.0  # router/prefill_delay.py
+    tpot_target_ms: float = 0.0  # the budget from the measured step cost (token_budget.py)
     kv_load_timeout_s: float = 30.0  # a load from the host tier or disk not back by then: recompute
 
     def __post_init__(self) -> None:
@@ -123,6 +125,7 @@ class Scheduler:
         self._known_to_workers: set[str] = set()
         self._released: list[str] = []
         self.prefill_delay = PrefillDelay(config.scheduler_delay_factor)
+        self.token_budget = TokenBudget(config.tpot_target_ms, config.max_num_batched_tokens)
         # waiting for blocks from the host tier or disk
         self.loads = TierLoads(kv, self.rates, clock, config.kv_load_timeout_s)
         self.loading = self.loads.loading  # by request id
@@ -138,7 +141,7 @@ class Scheduler:
             self.waiting.extendleft(reversed(self.loads.expired()))
         output = SchedulerOutput()
         output.num_steps, output.lookahead = self._num_decode_steps()
-        budget = self._schedule_running(output, self.config.max_num_batched_tokens)
+        budget = self._schedule_running(output, self.token_budget.budget(len(self.running)))
         oldest = self.waiting[0].arrival_time if self.waiting else None
         admits = self.prefill_delay.admits(oldest, bool(self.running))
         if admits and not output.preempted_ids:  # memory is short: admit nobody new this step
@@ -307,13 +310,15 @@ class Scheduler:
                 in_flight.update(self.kv.uncached_hashes(seq.request_id))
 
     def observe_step(self, output: SchedulerOutput, seconds: float) -> None:
-        """A step's time: the prefill rate loads are priced against (router/live_rates.py)."""
+        """A call's time: the step cost the token budget follows (router/token_budget.py) and
+        the prefill rate loads are priced against (router/live_rates.py)."""
+        tokens = sum(item.num_new_tokens for item in output.scheduled)
+        self.token_budget.observe(output.num_steps, tokens, seconds)
         if self.rates is None:
             return
-        tokens = [item.num_new_tokens for item in output.scheduled]
         prompt = sum(item.num_new_tokens for item in output.scheduled
                      if item.num_new_tokens > 1 + item.num_drafts)
-        self.rates.observe_step(prompt, sum(tokens), seconds)
+        self.rates.observe_step(prompt, tokens, seconds)
 
     def apply_transfers(self, report: TransferReport) -> dict[str, LoadResult]:
         """The workers' report of KV copies: each sequence whose load landed goes back to the

@@ -51,6 +51,9 @@ FLAGS: dict[str, tuple[tuple[str, ...], type, str]] = {
     "scheduler_delay_factor": (("--scheduler-delay-factor",), float,
                                "new prompts wait this many times the last step while others "
                                "run, so more of them batch (default: 0, off)"),
+    "tpot_target_ms": (("--tpot-target-ms",), float,
+                       "a step's token budget from its measured cost: the most tokens (up to "
+                       "--max-num-batched-tokens) within this time (default: 0, fixed)"),
     "decode_steps": (("--decode-steps",), int, "decode steps per worker call (default: 0, auto)"),
     "seed": (("--seed",), int, "engine seed (default: 0)"),
     "host_kv_cache_gb": (("--host-kv-cache-gb",), float, "host memory per replica for "

@@ -55,6 +55,9 @@ class EngineConfig:
     scheduler_delay_factor: float = option(0.0, "while others run, new prompts wait until the "
                                            "oldest has waited this many times the last step, "
                                            "so more of them prefill together (vLLM's)")
+    tpot_target_ms: float = option(0.0, "a step's token budget from its measured cost: the "
+                                   "most tokens (up to `max_num_batched_tokens`) a step takes "
+                                   "within this time; 0: the fixed budget")
     attention_backend: str = option("auto", "`triton` on a GPU, `reference` (plain PyTorch) on "
                                     "the CPU")
     enforce_eager: bool = option(False, "no CUDA graphs for decode steps (used on a GPU with the "
@@ -138,6 +141,8 @@ class EngineConfig:
             (self.cpu_threads >= 1, f"cpu_threads must be at least 1, got {self.cpu_threads}"),
             (self.scheduler_delay_factor >= 0,
              f"scheduler_delay_factor must be >= 0, got {self.scheduler_delay_factor}"),
+            (self.tpot_target_ms >= 0,
+             f"tpot_target_ms must be >= 0 (0: off), got {self.tpot_target_ms}"),
             (self.enable_chunked_prefill or not self.max_prefill_chunk,
              "max_prefill_chunk needs enable_chunked_prefill"),
             (self.enable_chunked_prefill or self.max_model_len is None

@@ -132,6 +132,7 @@ class LLMEngine:
             decode_lookahead=config.decode_lookahead,
             enable_chunked_prefill=config.enable_chunked_prefill,
             scheduler_delay_factor=config.scheduler_delay_factor,
+            tpot_target_ms=config.tpot_target_ms,
         ), kv, rates=self.transfer_rates)
         self.step_builder = StepBuilder()
         self.requests: dict[str, RequestTracker] = {}

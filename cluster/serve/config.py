@@ -87,6 +87,9 @@ class ServeConfig(BaseModel):
     scheduler_delay_factor: float = Field(0.0, ge=0, description="While others run, new "
                                           "prompts wait this many times the last step, so "
                                           "more of them prefill together.")
+    tpot_target_ms: float = Field(0.0, ge=0, description="A step's token budget from its "
+                                  "measured cost: the most tokens (up to "
+                                  "max_num_batched_tokens) within this time; 0: fixed.")
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="Share of the GPU's "
                                           "memory each engine takes.")
     decode_steps: int = Field(0, ge=0, le=64, description="Decode steps per call to the workers "
@@ -179,6 +182,7 @@ class ServeConfig(BaseModel):
             decode_steps=self.decode_steps, decode_lookahead=self.decode_lookahead,
             seed=self.seed, enable_chunked_prefill=self.enable_chunked_prefill,
             scheduler_delay_factor=self.scheduler_delay_factor,
+            tpot_target_ms=self.tpot_target_ms,
             gpu_memory_utilization=self.gpu_memory_utilization,
             speculative_config=self.speculative_config,
             host_kv_cache_gb=self.host_kv_cache_gb, disk_kv_cache_dir=self.disk_kv_cache_dir,

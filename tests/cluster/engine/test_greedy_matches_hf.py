@@ -85,6 +85,15 @@ def test_whole_prompts_only_and_a_scheduler_delay(tiny_models, expected, name):
     assert llm.engine.max_model_len == 64  # a sequence fits one step (a recompute, too)
 
 
+def test_a_budget_that_follows_the_measured_step_cost(tiny_models, expected):
+    # a target no CPU step makes: the budget falls to its floor (64 / 8 tokens, or every
+    # decode), prompts go in chunks of that size as the fit sets it
+    llm, tokens = generate(tiny_models["llama"], num_kv_blocks=256, max_num_batched_tokens=64,
+                           tpot_target_ms=0.001)
+    assert tokens == expected["llama"]
+    assert llm.engine.scheduler.token_budget.costs.fit() is not None
+
+
 def test_small_budget_and_one_sequence_at_a_time(tiny_models, expected):
     _, tokens = generate(tiny_models["qwen3"], num_kv_blocks=256, max_num_seqs=1,
                          max_num_batched_tokens=5, enable_prefix_caching=False)
