@@ -255,3 +255,14 @@ def test_plot_without_matplotlib_says_how_to_install_it(monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now fails
     with pytest.raises(ValueError, match=r"--plot needs matplotlib: pip install matplotlib"):
         plots.pyplot()
+
+
+def test_the_step_budget_flags_reach_the_served_engines():
+    from cluster.bench.serve_bench import local_config
+
+    args = serve_args("--model", "/models/m", "--max-num-batched-tokens", "8192",
+                      "--tpot-target-ms", "25")
+    config = local_config(args)
+    assert (config.max_num_batched_tokens, config.tpot_target_ms) == (8192, 25.0)
+    engine = config.engine_config()
+    assert (engine.max_num_batched_tokens, engine.tpot_target_ms) == (8192, 25.0)
