@@ -68,10 +68,8 @@ def swap_pays(rates: TransferRates | None, num_copy_blocks: int, num_load_blocks
     """Whether a preempted sequence should be swapped to the host tier (its ``num_copy_blocks``
     missing there copied out, then all ``num_load_blocks`` loaded back) rather than recompute
     its ``num_recompute_tokens``. Unmeasured rates: swap (the copies run beside the steps)."""
-    if rates is None:
-        return True
-    swap = rates.copy_seconds(num_copy_blocks + num_load_blocks)
-    return swap < rates.recompute_seconds(num_recompute_tokens)
+    # a load that waits for the swap's own copies out
+    return load_pays(rates, num_load_blocks, num_recompute_tokens, queued_blocks=num_copy_blocks)
 
 
 def load_pays(rates: TransferRates | None, num_load_blocks: int, num_recompute_tokens: int,

@@ -312,6 +312,8 @@ class Scheduler:
     def observe_step(self, output: SchedulerOutput, seconds: float) -> None:
         """A call's time: the step cost the token budget follows (router/token_budget.py) and
         the prefill rate loads are priced against (router/live_rates.py)."""
+        if not self.token_budget.target_s and self.rates is None:
+            return  # neither is on: nothing to count in the step
         tokens = sum(item.num_new_tokens for item in output.scheduled)
         self.token_budget.observe(output.num_steps, tokens, seconds)
         if self.rates is None:
