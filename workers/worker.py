@@ -34,6 +34,7 @@ from workers.pending import Lookahead, PendingRead, copied_event, to_host
 from workers.request_state import RequestState, TokenHistory
 from workers.sampler import Sampler, SamplerOutput, SamplingSpec
 from workers.speculative.device_drafts import DeviceDrafts
+from workers.speculative.step_drafts import StepDrafts, with_host_drafts
 from workers.speculative.verify_step import merge_outputs, verify_rows, warm_up_verify
 from workers.step_input import (
     NewRequest,
@@ -84,6 +85,7 @@ class Worker:
         self.eagle: EagleDrafter | None = None  # an EAGLE head: drafts from the target's features
         if config.draft_model_path is not None and self.is_driver:
             self.draft = self._make_draft(backend)
+        self.step_drafts = StepDrafts(self.draft, self.tp, self.device)
         self.uses_graphs = (self.device.type == "cuda" and not config.enforce_eager
                             and backend.name == "triton")
 
@@ -311,12 +313,13 @@ class Worker:
         if step.num_steps > 1:
             return self._execute_decode_steps(step.scheduled, step.num_steps, step.lookahead,
                                               lookahead)
-        scheduled, on_device = self._with_model_drafts(step.scheduled)
+        scheduled, on_device = self.step_drafts.fill(
+            step.scheduled, self.states, lambda states: self._constraints_for(states) is not None)
         verify = build_verify_rows(scheduled, self.states, self.config.block_size)
         if verify is not None:
             return self._execute_verify(verify, on_device)
         if on_device is not None:  # not a step of decodes alone: its drafts go as tokens
-            scheduled = self._with_host_drafts(scheduled, on_device)
+            scheduled = with_host_drafts(scheduled, on_device)
         if self.graphs is not None:
             rows = build_decode_rows(scheduled, self.states, self.config.block_size)
             hidden = self.graphs.run(rows) if rows is not None else None
@@ -345,63 +348,6 @@ class Worker:
                 verify.rows.input_ids, [int(starts[r]) for r, d in enumerate(verify.drafts) if d])
         hidden = self._forward_decode(verify.rows, input_ids)
         return self._verify_and_read(verify.request_ids, verify.drafts, hidden, on_device)
-
-    def _with_model_drafts(self, scheduled: list[ScheduledRequest]
-                           ) -> tuple[list[ScheduledRequest], DeviceDrafts | None]:
-        """The step with the draft model's drafts in the rows that asked for some
-        (``num_model_drafts``), made now on rank 0 and broadcast to the other ranks. On one
-        rank, with no grammar or logit_bias to apply to them, the drafts stay on the device
-        (workers/speculative/device_drafts.py): the rows carry placeholders, and the table
-        comes back beside the step."""
-        wanted = [index for index, item in enumerate(scheduled) if item.num_model_drafts]
-        if not wanted:
-            return scheduled, None
-        ids = [scheduled[index].request_id for index in wanted]
-        counts = [scheduled[index].num_model_drafts for index in wanted]
-        if self.draft is not None and self.tp.size == 1 and self._constraints_for(
-                [self.states[request_id] for request_id in ids]) is None:
-            table = self.draft.draft_table(ids, [self.states[i] for i in ids], counts)
-            # the drafts given with the step win (the benchmark's)
-            table = table.given([scheduled[index].draft_token_ids for index in wanted])
-            scheduled = list(scheduled)
-            for index, placeholder in zip(wanted, table.placeholders(), strict=True):
-                scheduled[index] = replace(scheduled[index], num_model_drafts=0,
-                                           draft_token_ids=placeholder)
-            return scheduled, table
-        drafts = None
-        if self.draft is not None:
-            drafts = self.draft.draft(ids, [self.states[i] for i in ids], counts)
-        elif self.is_driver:
-            raise ValueError("a step asks for a draft model's drafts, but this worker has none")
-        drafts = self._drafts_from_driver(drafts, counts)
-        scheduled = list(scheduled)
-        for index, row in zip(wanted, drafts, strict=True):
-            # drafts it was sent win: the benchmark's, which prices the draft's work alone
-            scheduled[index] = replace(scheduled[index], num_model_drafts=0,
-                                       draft_token_ids=scheduled[index].draft_token_ids or row)
-        return scheduled, None
-
-    @staticmethod
-    def _with_host_drafts(scheduled: list[ScheduledRequest],
-                          on_device: DeviceDrafts) -> list[ScheduledRequest]:
-        """The placeholders replaced by the drafts, read from the device."""
-        drafts = iter(on_device.to_host())
-        return [replace(item, draft_token_ids=next(drafts)) if item.draft_token_ids else item
-                for item in scheduled]
-
-    def _drafts_from_driver(self, drafts: list[list[int]] | None,
-                            counts: list[int]) -> list[list[int]]:
-        """Rank 0's drafts on every rank (one broadcast of a padded table under tensor
-        parallelism)."""
-        if self.tp.size == 1:
-            assert drafts is not None
-            return drafts
-        table = torch.zeros((len(counts), max(counts)), dtype=torch.int64, device=self.device)
-        if drafts is not None:
-            for row, values in enumerate(drafts):
-                table[row, : len(values)] = torch.tensor(values, dtype=torch.int64)
-        rows = self.tp.broadcast(table, src=0).tolist()
-        return [row[:count] for row, count in zip(rows, counts, strict=True)]
 
     def _execute_decode_steps(self, scheduled: list[ScheduledRequest], num_steps: int,
                               run_lookahead: bool = False,
