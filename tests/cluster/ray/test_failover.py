@@ -14,6 +14,7 @@ from cluster import EngineConfig, SamplingParams
 from cluster.ray.refusals import Overloaded
 from cluster.ray.serving_policy import ServingPolicy
 from cluster.ray.tandem_cluster import TandemCluster
+from tests.cluster.ray.held_replicas import HeldCluster
 from tests.cluster.ray.test_ray_cluster import counts
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]  # slow: the default model's tokenizer
@@ -124,10 +125,12 @@ def test_a_shard_killed_while_idle_is_found_by_the_health_check_and_rebuilt(ray_
 
 
 def test_past_the_waiting_limit_a_request_is_refused_at_once(ray_session, tiny_models):
-    cluster = TandemCluster(EngineConfig(model=str(tiny_models["llama"]), device="cpu",
-                                         block_size=4, num_kv_blocks=256, max_num_seqs=1),
-                            num_replicas=1,
-                            policy=ServingPolicy(max_waiting_requests=2, retry_after_s=3))
+    # held (held_replicas.py): once the running request has its first token the engine stops
+    # stepping, so it cannot finish and let the queue drain before the refusal is seen
+    cluster = HeldCluster(EngineConfig(model=str(tiny_models["llama"]), device="cpu",
+                                       block_size=4, num_kv_blocks=256, max_num_seqs=1),
+                          num_replicas=1,
+                          policy=ServingPolicy(max_waiting_requests=2, retry_after_s=3))
     long = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
     short = SamplingParams(temperature=0.0, max_tokens=8)
 
@@ -148,10 +151,12 @@ def test_past_the_waiting_limit_a_request_is_refused_at_once(ray_session, tiny_m
         # at once: refused while the queue was still full (the two still wait behind the
         # running one), not once it had room
         waiting_then = (await loads()).num_prefilling, [task.done() for task in queued]
+        cluster.release()
         await running.aclose()  # the client leaves: its abort lets the queued two run
         return waiting_then, refused.value, await asyncio.gather(*queued)
 
     try:
+        cluster.hold(1)  # steps until the one running sequence has a token, then none
         waiting_then, refusal, queued = asyncio.run(asyncio.wait_for(scenario(),
                                                                      timeout=WAIT_S))
         assert waiting_then == (2, [False, False]) and refusal.retry_after_s == 3
