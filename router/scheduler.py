@@ -31,6 +31,11 @@ next. The next call starts from it if each sequence it schedules is one the look
 at the position it stepped (the rows of sequences that finished meanwhile are dropped: a
 large batch has one finishing in nearly every call); else the lookahead is dropped (its K/V
 lies in the sequence's own slot and is written again when that position is computed).
+
+With async scheduling the engine schedules a step before the one in flight is read
+(``launched``): its tokens count as computed at launch and each row that samples has a token
+pending (``Sequence.num_pending``), the input of its next decode, filled in by the workers on
+the device; ``update`` commits the tokens a call later.
 """
 
 import time
@@ -102,6 +107,7 @@ class SchedulerOutput:
     released_ids: list[str] = field(default_factory=list)
     num_steps: int = 1  # > 1: every scheduled sequence decodes this many tokens in one call
     lookahead: bool = False  # and one step more, the next call's first (a slot is allocated)
+    launched: bool = False  # its tokens are read a call later (``Scheduler.launched``)
 
     @property
     def is_empty(self) -> bool:
@@ -208,8 +214,11 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
+            if seq.num_pending and self._ends_in_flight(seq):
+                index += 1  # its last token is in flight: nothing more to compute
+                continue
             num_computed = seq.num_computed_tokens
-            num_missing = len(seq.token_ids) - num_computed
+            num_missing = len(seq.token_ids) + seq.num_pending - num_computed
             num_new = min(num_missing, budget, chunk) if chunk else min(num_missing, budget)
             drafts = self._drafts(seq, budget)
             model_drafts = self._model_drafts(seq, budget)
@@ -379,11 +388,31 @@ class Scheduler:
         reaches_end = num_computed + num_new == seq.num_tokens
         return self.config.num_lookahead_tokens if reaches_end else 0
 
+    def _ends_in_flight(self, seq: Sequence) -> bool:
+        """Its pending tokens reach its ``max_tokens`` or the model's length."""
+        return (seq.num_output_tokens + seq.num_pending >= seq.params.max_tokens
+                or seq.num_tokens + seq.num_pending >= self.config.max_model_len)
+
+    def launched(self, output: SchedulerOutput) -> None:
+        """The step went to the workers, whose tokens are read one call later (async
+        scheduling): its tokens count as computed now, and each row that samples has a token
+        pending, so the next step is scheduled before this one is read (``update`` commits it).
+        One step a call: a pending token is the input of the next step's decode."""
+        assert output.num_steps == 1, "a call of several steps is read when it returns"
+        output.launched = True
+        for item in output.scheduled:
+            seq = item.seq
+            seq.num_computed_tokens += item.num_new_tokens
+            if seq.num_computed_tokens == seq.num_tokens + seq.num_pending:
+                seq.num_pending += 1  # caught up: the step samples its next token
+
     def update(self, output: SchedulerOutput, sampled: Mapping[str, Seq[int]]) -> list[Sequence]:
         """Commit a step: advance counters, append sampled tokens, cache full blocks.
 
         Returns the sequences that finished in this step (their blocks are already freed).
         """
+        if output.launched:
+            return self._update_launched(output, sampled)
         finished: list[Sequence] = []
         cache_blocks = self.kv.cache_blocks
         for item in output.scheduled:
@@ -403,6 +432,30 @@ class Scheduler:
                                           seq.num_tokens - 1 if rides else seq.num_tokens)
             cache_blocks(seq.request_id, seq.token_ids, seq.num_computed_tokens)
             if seq.is_finished:
+                self._release(seq)
+                finished.append(seq)
+        return finished
+
+    def _update_launched(self, output: SchedulerOutput,
+                         sampled: Mapping[str, Seq[int]]) -> list[Sequence]:
+        """``update`` for a launched step (its counters moved at launch). A sequence
+        preempted meanwhile keeps its token too (it is recomputed with it); one finished
+        meanwhile drops it, and one that has a later step in flight has its row there wasted
+        if this token ends it."""
+        finished: list[Sequence] = []
+        for item in output.scheduled:
+            seq = item.seq
+            tokens = sampled.get(seq.request_id, ())
+            if not tokens or seq.is_finished:
+                continue
+            seq.num_pending -= 1
+            self._append_until_stop(seq, tokens)
+            if seq.status is SequenceStatus.RUNNING:
+                self.kv.cache_blocks(seq.request_id, seq.token_ids,
+                                     min(seq.num_computed_tokens, seq.num_tokens))
+            if seq.is_finished:
+                if seq in self.waiting:
+                    self.waiting.remove(seq)
                 self._release(seq)
                 finished.append(seq)
         return finished

@@ -50,6 +50,9 @@ class Sequence:
     num_model_drafts: int = 0
     # the compiled grammar of params.structured_outputs, once compiled (the engine's)
     grammar: Any = None
+    # tokens sampled in a step still in flight (async scheduling), not yet in token_ids: the
+    # next step is scheduled as if they were (router/scheduler.py ``launched``)
+    num_pending: int = 0
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

@@ -52,6 +52,16 @@ class PendingRead:
 
 
 @dataclass
+class ReadDone:
+    """A read with nothing to wait for: a deferred step that sampled no row."""
+
+    output: StepOutput
+
+    def result(self) -> StepOutput:
+        return self.output
+
+
+@dataclass
 class Lookahead:
     """The first step of the next call, run at the end of this one (``StepInput.lookahead``)."""
 

@@ -9,6 +9,8 @@ import torch
 from workers.sampler import SamplingSpec, make_generator
 from workers.step_input import NewRequest, ScheduledRequest
 
+PLACEHOLDER = 0  # a valid token id: a row that was not filled still embeds without a fault
+
 if TYPE_CHECKING:
     from workers.structured.row_grammar import RowGrammar
 
@@ -22,6 +24,9 @@ class RequestState:
     generator: torch.Generator | None
     request_id: str = ""
     grammar: "RowGrammar | None" = None  # on the worker that samples (rank 0) only
+    # the last tokens, sampled in a step whose read was deferred (workers/deferred_tokens.py):
+    # their places hold a placeholder until a step message brings the real ones
+    num_placeholders: int = 0
 
     @classmethod
     def from_new(cls, request: NewRequest, device: torch.device,
@@ -40,8 +45,18 @@ class RequestState:
         )
 
     def apply(self, delta: ScheduledRequest) -> None:
-        self.token_ids.extend(delta.new_token_ids)
+        """The step's new tokens go over the placeholders first, then after them."""
+        new = delta.new_token_ids
+        if new:
+            first_unread = len(self.token_ids) - self.num_placeholders
+            self.token_ids[first_unread : first_unread + len(new)] = new
+            self.num_placeholders = max(0, self.num_placeholders - len(new))
         self.block_ids.extend(delta.new_block_ids)
+
+    def add_placeholder(self) -> None:
+        """A token was sampled and left on the device (a deferred read)."""
+        self.token_ids.append(PLACEHOLDER)
+        self.num_placeholders += 1
 
     @property
     def prompt_token_ids(self) -> list[int]:

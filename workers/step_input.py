@@ -53,6 +53,9 @@ class StepInput:
     lookahead: bool = False
     # copies between the device cache and the host and disk tiers, around this step's forward
     transfers: KVTransfers | None = None
+    # async scheduling (workers/deferred_tokens.py): keep this step's tokens on the device and
+    # return them with the next call, which runs before the host knows them
+    defer_read: bool = False
 
 
 TokenLogprobs = list[tuple[int, float]]  # [(token_id, logprob), ...]: sampled token, then top-n
@@ -73,3 +76,6 @@ class StepOutput:
     grammar_failures: list[tuple[str, str]] = field(default_factory=list)
     # tokens the draft model caught up on before drafting (router/speculation.py prices them)
     draft_catch_up_tokens: int = 0
+    # the tokens of the step before, whose read was deferred (StepInput.defer_read): read
+    # once this call's step was on its way
+    previous: "StepOutput | None" = None

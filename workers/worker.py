@@ -12,6 +12,13 @@ import numpy as np
 import torch
 
 from workers.attention.key_centers import centers_digest, key_centers_for
+from workers.deferred_tokens import (
+    DeferredTokens,
+    check_deferrable,
+    check_read,
+    fill_unread,
+    unread_inputs,
+)
 from workers.device_stats import DeviceStats, read_device_stats
 from workers.gc_freeze import freeze_start_up_objects
 from workers.host_layout import OffloadInfo, layer_tensors
@@ -30,7 +37,7 @@ from workers.layers.batch_invariant import make_batch_invariant, needed_for
 from workers.layers.parallel import TensorParallelGroup
 from workers.loader import load_model
 from workers.model_config import ModelConfig
-from workers.pending import Lookahead, PendingRead, copied_event, to_host
+from workers.pending import Lookahead, PendingRead, ReadDone, copied_event, to_host
 from workers.request_state import RequestState, TokenHistory
 from workers.sampler import Sampler, SamplerOutput, SamplingSpec
 from workers.speculative.device_drafts import DeviceDrafts
@@ -77,6 +84,11 @@ class Worker:
         self.centers_digest: str | None = None
         self.graphs = None  # DecodeGraphs once captured (GPU, Triton; every rank or none)
         self.lookahead: Lookahead | None = None  # the next call's first step, already run
+        # async scheduling (workers/deferred_tokens.py): the last step's tokens, on the device
+        # for the next step's inputs and on their way to the host for the next call's return
+        self.unread: DeferredTokens | None = None
+        self.deferred_read: PendingRead | ReadDone | None = None
+        self.defers = False  # the step running now keeps its tokens on the device
         # logit_bias and grammar masks (workers/structured/masks.py), once a row has either
         self.constraints: LogitConstraints | None = None
         # DraftModel, on rank 0 alone: it drafts where a step asks (num_model_drafts) and
@@ -262,6 +274,15 @@ class Worker:
         tiers it carries around it; the driver (rank 0) returns the sampled tokens and what
         the copies finished, other ranks None."""
         self._use_device()
+        previous, self.deferred_read = self.deferred_read, None
+        output = self._execute_with_copies(step)
+        if step.defer_read and self.deferred_read is None and self.is_driver:
+            self.deferred_read = ReadDone(StepOutput([], []))  # no row sampled
+        if previous is not None and output is not None:  # read while this step runs
+            output.previous = previous.result()
+        return output
+
+    def _execute_with_copies(self, step: StepInput) -> StepOutput | None:
         offloader = self.offloader
         if offloader is None:
             if step.transfers is not None:
@@ -299,6 +320,8 @@ class Worker:
 
     def _run_step(self, step: StepInput) -> StepOutput | None:
         lookahead, self.lookahead = self.lookahead, None  # good for the very next call only
+        unread, self.unread = self.unread, None  # the step before's tokens: this step's inputs
+        self.defers = step.defer_read
         for request_id in step.released_ids:
             self.states.pop(request_id, None)
         if self.draft is not None:
@@ -310,7 +333,11 @@ class Worker:
             self.states[item.request_id].apply(item)
         if not step.scheduled:
             return StepOutput([], []) if self.is_driver else None
+        if step.defer_read:
+            check_deferrable(step, self.states)
         if step.num_steps > 1:
+            check_read([self.states[item.request_id] for item in step.scheduled],
+                       [item.num_computed_tokens + 1 for item in step.scheduled])
             return self._execute_decode_steps(step.scheduled, step.num_steps, step.lookahead,
                                               lookahead)
         scheduled, on_device = self.step_drafts.fill(
@@ -322,10 +349,14 @@ class Worker:
             scheduled = with_host_drafts(scheduled, on_device)
         if self.graphs is not None:
             rows = build_decode_rows(scheduled, self.states, self.config.block_size)
-            hidden = self.graphs.run(rows) if rows is not None else None
+            hidden = None
+            if rows is not None:
+                hidden = self.graphs.run(rows, unread_inputs(unread, rows, self.states,
+                                                            self.device))
             if hidden is not None:  # every rank replayed the same bucket: graphs run in lockstep
                 return self._sample_and_read(rows.request_ids, hidden)
         batch = build_input_batch(scheduled, self.states, self.config.block_size, self.device)
+        fill_unread(unread, batch.input_ids, scheduled, self.states)
         hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
         if self.eagle is not None:
             self.eagle.store(batch.meta.slot_mapping, hidden)
@@ -427,9 +458,20 @@ class Worker:
 
     def _sample_and_read(self, request_ids: list[str], hidden: torch.Tensor) -> StepOutput | None:
         logits = self.model.compute_logits(hidden)  # a collective under TP
-        if not self.is_driver:
+        sampled = self._sample(request_ids, logits) if self.is_driver else None
+        if self.defers:  # the tokens stay on the device; the next call returns them
+            tokens = self._from_driver(sampled.token_ids if sampled else None, len(request_ids))
+            assert tokens is not None
+            self.unread = DeferredTokens(request_ids, tokens)
+            for request_id in request_ids:
+                self.states[request_id].add_placeholder()
+            if sampled is None:
+                return None
+            self.deferred_read = self._start_read(request_ids, [sampled])
+            return StepOutput([], [])
+        if sampled is None:
             return None
-        return self._start_read(request_ids, [self._sample(request_ids, logits)]).result()
+        return self._start_read(request_ids, [sampled]).result()
 
     def _verify_and_read(self, request_ids: list[str], drafts: list[list[int]],
                          hidden: torch.Tensor,

@@ -91,7 +91,7 @@ class Setup:
             dtype=str(self.dtype).removeprefix("torch."), device=str(self.device),
             max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
             enforce_eager=a.enforce_eager, decode_steps=a.decode_steps,
-            decode_lookahead=a.decode_lookahead,
+            decode_lookahead=a.decode_lookahead, async_scheduling=a.async_scheduling,
             gpu_memory_utilization=a.gpu_memory_utilization,
             cpu_kv_cache_gb=a.cpu_kv_cache_gb, attention_backend=a.attention_backend,
             seed=a.seed, block_size=a.block_size, kv_cache_dtype=a.kv_cache_dtype,

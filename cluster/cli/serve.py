@@ -92,6 +92,8 @@ SWITCHES = {  # ServeConfig field -> (flag, help): --flag / --no-flag
                               "prefixes (default: on)"),
     "decode_lookahead": ("--decode-lookahead", "multi-step calls also run the next call's first "
                          "step (default: off for serving)"),
+    "async_scheduling": ("--async-scheduling", "schedule each step while the workers run the "
+                         "one before (default: off)"),
 }
 # vLLM's older speculative flags -> speculative_config's keys (--speculative-config is the JSON)
 SPECULATIVE_FLAGS = {

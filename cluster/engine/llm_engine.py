@@ -56,7 +56,7 @@ from kvstore.disk_tier import check_directory
 from kvstore.kv_cache_manager import KVCacheManager
 from kvstore.kv_format import hash_key_of
 from router.sampling_params import SEED_END, SamplingParams
-from router.scheduler import Scheduler, SchedulerConfig
+from router.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from router.sequence import FinishReason, Sequence
 from workers.catalog import resolve_model
 from workers.device_stats import DeviceStats
@@ -64,6 +64,7 @@ from workers.gc_freeze import freeze_start_up_objects, unfreeze
 from workers.loader import load_config
 from workers.models.llama import check_tensor_parallel
 from workers.speculative.config import SpeculativeConfig
+from workers.step_input import StepInput, StepOutput
 
 log = logging.getLogger(__name__)
 
@@ -135,6 +136,7 @@ class LLMEngine:
             tpot_target_ms=config.tpot_target_ms,
         ), kv, rates=self.transfer_rates)
         self.step_builder = StepBuilder()
+        self.in_flight: SchedulerOutput | None = None  # launched, read with the next call
         self.requests: dict[str, RequestTracker] = {}
         self.seq_to_request: dict[str, str] = {}
         self._ids = itertools.count()
@@ -273,7 +275,8 @@ class LLMEngine:
         self.metrics.on_finish("abort", time.monotonic() - tracker.metrics.arrival_time)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self.grammars.waiting)
+        return self.scheduler.has_unfinished() or bool(self.grammars.waiting) or (
+            self.in_flight is not None)
 
     def has_pending_transfers(self) -> bool:
         """Copies between tiers wait for a step (write-through of the last step's blocks):
@@ -308,24 +311,72 @@ class LLMEngine:
         failed = self._admit_compiled()
         if failed:
             return failed
-        if self.grammars.waiting and not self.scheduler.has_unfinished():
+        if self.grammars.waiting and not self.scheduler.has_unfinished() and (
+                self.in_flight is None):
             self.grammars.wait(0.01)  # nothing else to run: wait a little for a grammar
             return self._admit_compiled()
+        pipelines = self._pipelines()
+        if self.in_flight is not None and not pipelines:
+            return self._read_in_flight()  # the next step is scheduled with every token known
         scheduled = self.scheduler.schedule()
         transfers = self.scheduler.kv.take_transfers()
         if scheduled.is_empty and not scheduled.released_ids and transfers is None and (
                 not self.scheduler.loading):
-            return []
+            return self._read_in_flight()
         started = time.perf_counter()
         step = self.step_builder.build(scheduled, transfers)
         if self.speculator is not None:
             step = self.speculator.before_step(step)
+        step.defer_read = pipelines and scheduled.num_steps == 1
+        if step.defer_read:
+            self.scheduler.launched(scheduled)
         result = self.executor.execute(step)
         seconds = time.perf_counter() - started
-        self.scheduler.observe_step(scheduled, seconds)
         if result.transfers is not None and not result.transfers.is_empty:
             for load in self.scheduler.apply_transfers(result.transfers).values():
                 self.metrics.kv_load_latency.observe(load.seconds)
+        touched = self._commit_in_flight(result.previous, seconds)
+        if step.defer_read:
+            self.in_flight = scheduled
+        else:
+            touched += self._commit(scheduled, result, seconds)
+        return unique(touched)
+
+    def _pipelines(self) -> bool:
+        """Whether the next step may be scheduled before the last one is read (async
+        scheduling): not when a sequence's sampling or drafts need its tokens on the host
+        (speculation, penalties, a grammar), and not when every sequence decodes and several
+        decode steps a call would run (``decode_steps``): those calls overlap by their own
+        lookahead."""
+        if not self.config.async_scheduling or self.speculator is not None:
+            return False
+        scheduler = self.scheduler
+        if scheduler.config.decode_steps > 1 and not scheduler.waiting and all(
+                seq.num_computed_tokens >= seq.num_prompt_tokens for seq in scheduler.running):
+            return False
+        return not any(seq.params.uses_history or seq.params.structured_outputs is not None
+                       for seq in itertools.chain(scheduler.running, scheduler.waiting))
+
+    def _read_in_flight(self) -> list[RequestTracker]:
+        """Reads the step in flight (a call with nothing to run), if there is one."""
+        if self.in_flight is None:
+            return []
+        started = time.perf_counter()
+        result = self.executor.execute(StepInput([], [], []))
+        return unique(self._commit_in_flight(result.previous, time.perf_counter() - started))
+
+    def _commit_in_flight(self, result: StepOutput | None,
+                          seconds: float) -> list[RequestTracker]:
+        scheduled, self.in_flight = self.in_flight, None
+        if scheduled is None:
+            return []
+        assert result is not None, "the workers return a deferred step's tokens with the next"
+        return self._commit(scheduled, result, seconds)
+
+    def _commit(self, scheduled: SchedulerOutput, result: StepOutput,
+                seconds: float) -> list[RequestTracker]:
+        """A step's sampled tokens into its sequences and their requests' outputs."""
+        self.scheduler.observe_step(scheduled, seconds)
         sampled = dict(zip(result.request_ids, result.token_ids, strict=True))
         self.metrics.on_step(len(scheduled.scheduled))
         scheduled_seqs = {item.seq.request_id: item.seq for item in scheduled.scheduled}
@@ -486,6 +537,11 @@ class LLMEngine:
         self.grammars.shutdown()
         self.executor.shutdown()
         unfreeze()  # what the engine leaves in reference cycles can be collected again
+
+
+def unique(trackers: list[RequestTracker]) -> list[RequestTracker]:
+    """Each request once (two steps committed in one call can both touch it), in order."""
+    return list({id(tracker): tracker for tracker in trackers}.values())
 
 
 def failure_message(request_id: str, stage: str, error: Exception) -> str:

@@ -98,6 +98,10 @@ class ServeConfig(BaseModel):
                                    "call's first step while the host schedules it. Off for "
                                    "serving: arrivals drop most lookaheads, and W3 measured "
                                    "lower HTTP throughput with it.")
+    async_scheduling: bool = Field(False, description="Schedule each step while the workers "
+                                   "run the one before (its tokens come back with the next "
+                                   "call); steps with drafts, penalties or a grammar wait for "
+                                   "their tokens.")
     seed: int = Field(0, description="Seed of the engines' random state.")
     host_kv_cache_gb: float = Field(0.0, ge=0, description="Host memory per replica for KV "
                                     "blocks offloaded from the device (written through, loaded "
@@ -180,6 +184,7 @@ class ServeConfig(BaseModel):
             tensor_parallel_size=self.tensor_parallel_size,
             distributed_executor_backend="ray" if self.tensor_parallel_size > 1 else "uni",
             decode_steps=self.decode_steps, decode_lookahead=self.decode_lookahead,
+            async_scheduling=self.async_scheduling,
             seed=self.seed, enable_chunked_prefill=self.enable_chunked_prefill,
             scheduler_delay_factor=self.scheduler_delay_factor,
             tpot_target_ms=self.tpot_target_ms,

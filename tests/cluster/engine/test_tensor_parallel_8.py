@@ -6,6 +6,7 @@ this machine, so TP=8 runs the same worker and collectives in forked ranks
 (gloo_executor.py)."""
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -46,10 +47,18 @@ def run_rank(rank: int, folder: str, store_file: str, result_file: str) -> None:
         if rank > 0:
             follow(worker)
             return
-        engine = LLMEngine(config, executor=GlooExecutor(worker))
+        executor = GlooExecutor(worker)
+        engine = LLMEngine(config, executor=executor)
         greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+        deferred = []
+        execute = executor.execute
+        executor.execute = lambda step: deferred.append(step.defer_read) or execute(step)
         runs = []
-        for _ in range(2):  # the second finds every prompt's full blocks cached
+        # the second finds every prompt's full blocks cached; the third schedules each step
+        # while the ranks run the one before (its tokens broadcast on the device)
+        for async_scheduling in (False, False, True):
+            engine.config = replace(engine.config, async_scheduling=async_scheduling)
+            deferred.clear()
             ids = [engine.add_request(p, greedy) for p in PROMPTS]
             outputs = {}
             while engine.has_unfinished():
@@ -57,7 +66,7 @@ def run_rank(rank: int, folder: str, store_file: str, result_file: str) -> None:
                             if o.finished}
             stats = engine.stats()
             runs.append({"tokens": [outputs[i] for i in ids], "hits": stats.prefix_cache_hits,
-                         "preemptions": stats.num_preemptions})
+                         "preemptions": stats.num_preemptions, "deferred": sum(deferred)})
         engine.scheduler.kv.check_integrity()
         engine.shutdown()
         with open(result_file, "w") as f:
@@ -67,8 +76,9 @@ def run_rank(rank: int, folder: str, store_file: str, result_file: str) -> None:
 def test_tensor_parallel_8_over_gloo_matches_transformers(tiny_models, tmp_path):
     folder = str(tiny_models["llama-8-heads"])
     spawn_ranks(run_rank, (folder, str(tmp_path / "store"), str(tmp_path / "runs.json")), 8)
-    first, second = json.loads((tmp_path / "runs.json").read_text())
+    first, second, third = json.loads((tmp_path / "runs.json").read_text())
     expected = hf_greedy(folder, PROMPTS)
-    assert first["tokens"] == second["tokens"] == expected
+    assert first["tokens"] == second["tokens"] == third["tokens"] == expected
+    assert first["deferred"] == second["deferred"] == 0 and third["deferred"] >= MAX_TOKENS
     assert first["preemptions"] > 0 and first["hits"] > 0
     assert second["hits"] > first["hits"]
