@@ -35,6 +35,8 @@ def config_of(*flags):
     (["--no-prefix-caching"], "enable_prefix_caching", False),
     (["--scheduler-delay-factor", "0.5"], "scheduler_delay_factor", 0.5),
     (["--tpot-target-ms", "25"], "tpot_target_ms", 25.0),
+    (["--async-scheduling"], "async_scheduling", True),
+    ([], "async_scheduling", False),
     (["--kv-cache-dtype", "int8"], "kv_cache_dtype", "int8"),
     (["--kv-cache-dtype", "fp8"], "kv_cache_dtype", "fp8"),
     ([], "kv_cache_dtype", "auto"),
