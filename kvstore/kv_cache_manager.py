@@ -184,9 +184,11 @@ class KVCacheManager:
         hits = self.tiers.find(hashes, token_ids, num_device_hits, max_blocks)
         return hits if hits.num_blocks else None
 
-    def start_load(self, request_id: str, token_ids: Sequence[int], hits: OffloadHits) -> int:
+    def start_load(self, request_id: str, token_ids: Sequence[int], hits: OffloadHits,
+                   in_step: bool = False) -> int:
         """Plans the load of ``hits`` into the request's blocks from ``hits.first`` on
-        (``allocate_slots`` made them); returns how many blocks it loads."""
+        (``allocate_slots`` made them); returns how many blocks it loads. ``in_step``: the
+        request runs in the step that carries the load (BlockLoad.in_step)."""
         assert self.tiers is not None
         stop = hits.first + hits.num_blocks
         size = self.block_size
@@ -195,7 +197,7 @@ class KVCacheManager:
         return self.tiers.start_load(
             request_id, self.req_hashes[request_id][hits.first:stop],
             [token_ids[i * size:(i + 1) * size] for i in range(hits.first, stop)], hits.tiers,
-            [block.block_id for block in blocks])
+            [block.block_id for block in blocks], in_step)
 
     def finish_load(self, request_id: str, token_ids: Sequence[int], num_loaded: int) -> int:
         """The load arrived with its first ``num_loaded`` blocks intact: those and the device
@@ -203,6 +205,11 @@ class KVCacheManager:
         num_tokens = (self.req_load_first.pop(request_id) + num_loaded) * self.block_size
         self.cache_blocks(request_id, token_ids, num_tokens)
         return num_tokens
+
+    def end_load_in_step(self, request_id: str) -> None:
+        """A load whose request ran in its step landed: its blocks are cached as the step's
+        computed tokens are (``cache_blocks``); only the load's mark goes."""
+        self.req_load_first.pop(request_id, None)
 
     def apply_transfers(self, report: TransferReport) -> dict[str, LoadResult]:
         """The workers' report; the loads it finishes, by request id."""

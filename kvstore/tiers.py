@@ -59,6 +59,12 @@ class OffloadHits:
     def num_blocks(self) -> int:
         return len(self.tiers)
 
+    @property
+    def host_only(self) -> bool:
+        """Every block is in the host tier: its load needs no file, so it can be issued
+        before the step's forward and the sequence run in that step."""
+        return all(tier == HOST for tier in self.tiers)
+
 
 @dataclass
 class _Load:
@@ -153,7 +159,7 @@ class TierManager:
 
     def start_load(self, request_id: str, hashes: Sequence[BlockHash],
                    token_ids: Sequence[Sequence[int]], tiers: Sequence[str],
-                   block_ids: Sequence[int]) -> int:
+                   block_ids: Sequence[int], in_step: bool = False) -> int:
         """Plans a load of the blocks ``hashes`` (found by ``find``) into the device blocks
         ``block_ids``; returns how many it loads (fewer when the host tier has no slot left
         for a disk block: the rest is recomputed)."""
@@ -181,7 +187,8 @@ class TierManager:
         if count:
             self.loads[request_id] = _Load(list(hashes[:count]), tuple(tiers[:count]),
                                            time.monotonic())
-            self.plan.loads.append(BlockLoad(request_id, slots, list(block_ids[:count])))
+            self.plan.loads.append(BlockLoad(request_id, slots, list(block_ids[:count]),
+                                             in_step))
         return count
 
     def _tier(self, tier: str) -> HostTier | DiskTier:

@@ -46,6 +46,9 @@ class BlockLoad:
     request_id: str
     host_slots: list[int]
     block_ids: list[int]
+    # the sequence runs in this step, its forward reading these blocks (a load from the host
+    # tier alone): a copy that fails fails the step rather than leave it to read wrong KV
+    in_step: bool = False
 
 
 @dataclass

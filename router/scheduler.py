@@ -10,8 +10,9 @@ copied at preemption), so it resumes by loading them rather than recomputing: sw
 when the measured copy is cheaper than the recompute (kv_pricing.py); else the missing blocks
 are not copied, and a load is started only where it is cheaper than recomputing, too.
 
-A waiting sequence whose prefix goes on past the device's prefix cache into the host tier or
-disk first loads those blocks while the others run (tier_loads.py); they are then ordinary
+A waiting sequence whose prefix goes on past the device's prefix cache into the host tier runs
+in the step that loads those blocks (the workers copy them before its forward); one whose
+prefix is on disk first loads while the others run (tier_loads.py), its blocks then ordinary
 prefix hits.
 
 When every running sequence is decoding and nobody waits, one call to the workers may run
@@ -287,7 +288,10 @@ class Scheduler:
                 index += 1
                 continue
             below = self.loads.find(seq, len(hits))
-            if below is not None:
+            num_loaded = 0  # tokens of a host-tier prefix loaded in this step, before it runs
+            if below is not None and below.host_only:
+                num_loaded = below.num_blocks * self.kv.block_size
+            elif below is not None:
                 loads = self.loads.start(seq, hits, num_cached, below)
                 if loads is None:
                     break  # no room for its blocks: memory is short
@@ -298,17 +302,23 @@ class Scheduler:
                     continue
                 hits, num_cached = self.kv.get_computed_blocks(  # nothing loadable after all
                     seq.request_id, seq.token_ids, seq.params.cache_salt)
-            num_new = self._num_new_tokens(seq, num_cached, budget)
-            if num_new < seq.num_tokens - num_cached and not self.config.enable_chunked_prefill:
+            computed = num_cached + num_loaded
+            num_new = self._num_new_tokens(seq, computed, budget)
+            if num_new < seq.num_tokens - computed and not self.config.enable_chunked_prefill:
                 break  # the whole prompt waits for a step with room for it (first come first)
-            lookahead = self._lookahead(seq, num_cached, num_new)
+            lookahead = self._lookahead(seq, computed, num_new)
             blocks = self.kv.allocate_slots(
-                seq.request_id, num_cached, num_new, hits, num_lookahead_tokens=lookahead
+                seq.request_id, num_cached, num_loaded + num_new, hits,
+                num_lookahead_tokens=lookahead
             )
             if blocks is None:
                 break
+            if num_loaded:
+                assert below is not None
+                self.loads.start_in_step(seq, below)
+                num_cached = computed
             host, disk = self.loads.loaded_tokens.pop(seq.request_id, (0, 0))
-            host = min(host, num_cached)  # what a load brought and is still cached
+            host = min(host + num_loaded, num_cached)  # what a load brought and is still cached
             self.kv.stats.record(seq.num_tokens, num_cached, host, min(disk, num_cached - host))
             del self.waiting[index]
             self._admit(seq, num_cached)

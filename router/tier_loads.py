@@ -1,6 +1,7 @@
-"""The sequences waiting for their prefix's blocks to come back from the host tier or disk.
+"""The sequences waiting for their prefix's blocks to come back from disk, and those loading
+from the host tier in the step that runs them (``start_in_step``: nothing waits).
 
-A waiting sequence whose prefix goes on past the device's prefix cache into the tiers below
+A waiting sequence whose prefix goes on past the device's prefix cache into block files
 leaves the queue while those blocks are copied into fresh device blocks (``start``); the
 scheduler runs the others meanwhile and puts it back at the head of the queue when the workers
 report the blocks landed (``landed``), or when the load is given up: not back within
@@ -34,6 +35,9 @@ class TierLoads:
         # tokens a sequence's loads brought from the host tier and disk, counted as prefix
         # hits of those tiers when it is admitted
         self.loaded_tokens: dict[str, tuple[int, int]] = {}
+        # sequences admitted in the step that loads their prefix from the host tier, until
+        # the workers report the load (``start_in_step``)
+        self.in_step: set[str] = set()
 
     def find(self, seq: Sequence, num_hits: int) -> OffloadHits | None:
         """The blocks to load from below the pool, after ``num_hits`` device hits: none where
@@ -66,6 +70,16 @@ class TierLoads:
             self.kv.free(seq.request_id)
         return count
 
+    def start_in_step(self, seq: Sequence, below: OffloadHits) -> None:
+        """Loads a prefix found in the host tier alone into the sequence's blocks
+        (``allocate_slots`` made them) in the step that runs it: the workers issue the copies
+        before the forward, which waits for them on the device (workers/kv_offload.py)."""
+        count = self.kv.start_load(seq.request_id, seq.token_ids, below, in_step=True)
+        assert count == below.num_blocks, "a host-tier block needs no slot to load"
+        self.in_step.add(seq.request_id)
+        if self.rates is not None:
+            self.rates.load_started(seq.request_id, count)
+
     def expired(self) -> list[Sequence]:
         """The sequences whose loads passed the timeout, given up (their blocks freed and
         unpinned; the copies may still land: the workers order them before any later use of
@@ -88,6 +102,11 @@ class TierLoads:
         results = self.kv.apply_transfers(report)
         back = []
         for request_id, num_loaded in report.loaded.items():
+            if request_id in self.in_step:  # it ran in the load's step: nothing waits
+                self.in_step.discard(request_id)
+                self._ended(request_id)
+                self.kv.end_load_in_step(request_id)
+                continue
             seq = self.loading.pop(request_id, None)
             if seq is None:
                 continue  # aborted or given up while it loaded
@@ -110,6 +129,7 @@ class TierLoads:
         """The request ends: its sequence if it was loading (the caller frees its blocks)."""
         self.started.pop(request_id, None)
         self.recomputes.discard(request_id)
+        self.in_step.discard(request_id)
         self._ended(request_id)
         seq = self.loading.pop(request_id, None)
         if seq is None:

@@ -226,6 +226,10 @@ class KVOffloader:
                 started.append(self._load(load, failed_slots))
                 failed.append(False)
             except RuntimeError as error:
+                if load.in_step:  # its sequence's forward is this step's: it cannot go on
+                    raise RuntimeError(f"loading {len(load.block_ids)} KV blocks from the host "
+                                       f"tier for {load.request_id}, which runs in this step, "
+                                       f"failed: {error}") from error
                 log.warning("loading %d KV blocks for %s failed (%s): its tokens are "
                             "recomputed", len(load.block_ids), load.request_id, error)
                 started.append(_PendingLoad(load.request_id, 0, None))

@@ -1,5 +1,6 @@
 """The scheduler with KV tiers below the device pool: write-through, demotion to disk, loads of
-a prefix found there (the sequence waits while others run), failed reads recomputed, aborts
+a prefix found there (from the host tier in the step that runs it; from disk while others
+run), failed reads recomputed, aborts
 mid-load and swap preemption; exact slots and blocks, then a fuzzed run against a simulated
 worker that tracks which block's KV every device block, host slot and file holds."""
 
@@ -84,27 +85,38 @@ def test_a_block_handed_out_again_before_its_copy_is_copied_before_the_forward(t
     assert transfers == KVTransfers(stores_first=[(0, 0), (1, 1), (2, 2)])
 
 
-def test_a_prefix_evicted_from_the_device_is_loaded_from_the_host_while_others_run(tmp_path):
+def test_a_prefix_evicted_from_the_device_is_loaded_from_the_host_in_the_step_that_runs_it(
+        tmp_path):
     sched = make(tmp_path, num_blocks=8)
     run_alone(sched, "a", PROMPT)
     step(sched)  # a's three blocks reach host slots 0-2
     sched.kv.reset_prefix_cache()  # the device forgets them
-    sched.add(seq("b", PROMPT + [5, 6]))  # 15 tokens: blocks 0-2 below the pool
+    sched.add(seq("b", PROMPT + [5, 6], max_tokens=4))  # 15 tokens: blocks 0-2 below the pool
     sched.add(seq("c", range(300, 303)))
     ran, transfers = step(sched)
-    # b leaves the queue to load into fresh blocks (a's 4 blocks went to the free queue's
-    # back); c runs meanwhile
-    assert ran == [("c", 0, 3)]
-    assert transfers.loads == [BlockLoad("b", [0, 1, 2], [4, 5, 6])]
-    assert list(sched.loading) == ["b"]
-    assert sched.kv.tiers.host.index.num_pinned == 3
-    # the workers report the load landed: b is back at the queue's head, its blocks cached
-    step(sched, TransferReport(loaded={"b": 3}))
-    assert list(sched.loading) == [] and sched.kv.tiers.host.index.num_pinned == 0
-    ran, _ = step(sched)
-    assert ran == [("b", 12, 3)]
+    # b's prefix is loaded into fresh blocks (a's 4 blocks went to the free queue's back) by
+    # the step that runs b's last 3 tokens (the forward waits for the copies); c runs too
+    assert ran == [("b", 12, 3), ("c", 0, 3)]
+    assert transfers.loads == [BlockLoad("b", [0, 1, 2], [4, 5, 6], in_step=True)]
+    assert list(sched.loading) == [] and sched.loads.in_step == {"b"}
+    assert sched.kv.tiers.host.index.num_pinned == 3  # until the workers report the copies
     stats = sched.kv.stats
     assert (stats.hits, stats.host_hits, stats.disk_hits) == (12, 12, 0)
+    step(sched, TransferReport(loaded={"b": 3}))
+    assert sched.loads.in_step == set() and sched.kv.tiers.host.index.num_pinned == 0
+
+
+def test_a_sequence_that_ends_before_its_in_step_load_is_reported_unpins_its_blocks(tmp_path):
+    sched = make(tmp_path, num_blocks=8)
+    run_alone(sched, "a", PROMPT)
+    step(sched)
+    sched.kv.reset_prefix_cache()
+    sched.add(seq("b", PROMPT + [5, 6]))
+    step(sched)  # b ran and finished (one token) before the copies were reported
+    assert sched.kv.tiers.host.index.num_pinned == 0 and sched.loads.in_step == {"b"}
+    step(sched, TransferReport(loaded={"b": 3}))  # the late report changes nothing
+    assert sched.loads.in_step == set() and sched.kv.tiers.host.index.num_pinned == 0
+    sched.kv.check_integrity()
 
 
 def test_blocks_leaving_the_host_tier_go_to_disk_and_come_back_through_a_host_slot(tmp_path):
@@ -162,9 +174,9 @@ def test_an_aborted_sequence_s_load_unpins_its_blocks(tmp_path):
     run_alone(sched, "a", PROMPT)
     step(sched)
     sched.kv.reset_prefix_cache()
-    sched.add(seq("b", PROMPT))
+    sched.add(seq("b", PROMPT, max_tokens=4))
     step(sched)
-    assert list(sched.loading) == ["b"]
+    assert sched.loads.in_step == {"b"}  # it ran on its load, not reported yet
     assert sched.finish("b", FinishReason.ABORT) is not None
     assert sched.kv.tiers.host.index.num_pinned == 0 and sched.kv.num_used_blocks == 0
     step(sched, TransferReport(loaded={"b": 3}))  # its late report is ignored

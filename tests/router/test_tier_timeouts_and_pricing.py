@@ -3,6 +3,7 @@ against the recompute by the measured rates; blocks exported to and imported fro
 replica's host tier. Exact slots, plans and counts; every tier conserved after each scenario."""
 
 from kvstore.block_hash import hash_full_blocks
+from kvstore.disk_tier import DiskTier
 from kvstore.host_tier import HostTier
 from kvstore.kv_cache_manager import KVCacheManager
 from kvstore.tiers import TierManager
@@ -55,37 +56,59 @@ def cached_then_evicted(sched):
     sched.kv.reset_prefix_cache()
 
 
-def test_a_load_that_never_lands_is_given_up_and_recomputed():
-    clock = Clock()
-    sched = make(clock=clock)
+def on_disk_then_evicted(sched):
+    """PROMPT's 3 blocks on disk alone (another prompt's blocks took their 3 host slots),
+    gone from the device: a load of them waits for its files, while others run."""
     cached_then_evicted(sched)
+    sched.add(Sequence("x", list(range(600, 613)), SamplingParams(max_tokens=1)))
+    step(sched)
+    step(sched)  # x's write-through sends PROMPT's blocks on to disk
+    sched.kv.reset_prefix_cache()
+
+
+def test_a_load_that_never_lands_is_given_up_and_recomputed(tmp_path):
+    clock = Clock()
+    sched = make(clock=clock, host_slots=3, disk=DiskTier(tmp_path, "layout", 8))
+    on_disk_then_evicted(sched)
     sched.add(Sequence("b", PROMPT + [5, 6], SamplingParams(max_tokens=1)))
-    _, transfers = step(sched)
-    assert transfers.loads == [BlockLoad("b", [0, 1, 2], [4, 5, 6])]
+    ran, transfers = step(sched)
+    assert ran == [] and [(load.request_id, load.in_step) for load in transfers.loads] == [
+        ("b", False)] and len(transfers.from_disk) == 3
     clock.now = 4.9
     assert step(sched)[0] == [] and list(sched.loading) == ["b"]
     clock.now = 5.0  # the timeout: its blocks are unpinned and it computes all 15 tokens
     ran, transfers = step(sched)
     # the workers drop its copies if they have not started (a load waiting for its files)
-    assert ran == [("b", 0, 15)] and transfers == KVTransfers(cancelled=["b"])
+    assert ran == [("b", 0, 15)] and transfers.cancelled == ["b"]
     assert sched.loading == {} and sched.kv.tiers.host.index.num_pinned == 0
     # the late report of the given-up load changes nothing
     step(sched, TransferReport(loaded={"b": 3}))
-    assert sched.kv.stats.host_hits == 0
+    assert (sched.kv.stats.host_hits, sched.kv.stats.disk_hits) == (0, 0)
 
 
-def test_a_load_that_brought_nothing_recomputes_and_does_not_load_again():
-    sched = make()
-    cached_then_evicted(sched)
+def test_a_load_that_brought_nothing_recomputes_and_does_not_load_again(tmp_path):
+    sched = make(host_slots=3, disk=DiskTier(tmp_path, "layout", 8))
+    on_disk_then_evicted(sched)
     sched.add(Sequence("b", PROMPT + [5, 6], SamplingParams(max_tokens=1)))
     step(sched)
-    # the workers' copy failed (reported with no block intact): the host tier still holds
-    # the blocks, but b recomputes rather than load them again
+    # the workers' copy failed (reported with no block intact): the tiers still hold the
+    # blocks, but b recomputes rather than load them again
     ran, transfers = step(sched, TransferReport(loaded={"b": 0}))
     assert ran == []
     ran, transfers = step(sched)
-    assert ran == [("b", 0, 15)] and transfers is None
-    assert sched.kv.stats.host_hits == 0 and sched.kv.tiers.host.index.num_pinned == 0
+    assert ran == [("b", 0, 15)] and (transfers is None or not transfers.loads)
+    assert (sched.kv.stats.host_hits, sched.kv.stats.disk_hits) == (0, 0)
+    assert sched.kv.tiers.host.index.num_pinned == 0
+
+
+def test_a_host_tier_load_runs_its_sequence_in_the_same_step():
+    sched = make()
+    cached_then_evicted(sched)
+    sched.add(Sequence("b", PROMPT + [5, 6], SamplingParams(max_tokens=1)))
+    ran, transfers = step(sched)
+    assert ran == [("b", 12, 3)]
+    assert transfers.loads == [BlockLoad("b", [0, 1, 2], [4, 5, 6], in_step=True)]
+    assert sched.kv.stats.host_hits == 12 and not sched.has_unfinished()
 
 
 def test_a_load_dearer_than_its_recompute_is_not_started():
@@ -140,8 +163,6 @@ def test_an_export_pins_the_host_tier_s_leading_blocks_until_it_finishes():
 
 
 def test_imported_blocks_take_host_slots_after_the_evicted_ones_go_to_disk(tmp_path):
-    from kvstore.disk_tier import DiskTier
-
     tiers = TierManager(HostTier(2), DiskTier(tmp_path, "layout", 8), BS)
     hashes = hash_full_blocks(PROMPT, BS)
     tokens = [PROMPT[i * BS:(i + 1) * BS] for i in range(3)]

@@ -2,6 +2,7 @@
 bit-exact round trips for every cache dtype and a quantized layout, refused files, and the
 shards of a tensor-parallel group agreeing on what failed."""
 
+import pytest
 import torch
 import torch.multiprocessing as mp
 
@@ -207,3 +208,19 @@ def test_shards_keep_their_own_files_and_agree_on_a_refused_one(tmp_path):
     # rank 0's file of block 1 was fine, but a block is only as good as every shard of it
     expected = {"loaded": {"r": 1}, "failed": [h[1]], "exact": True, "files": files}
     assert results == {0: expected, 1: expected}
+
+
+def test_a_failed_copy_fails_the_step_of_a_load_whose_sequence_runs_in_it(monkeypatch):
+    tensors = layer_tensors(caches(torch.float32))
+    offloader = KVOffloader(tensors, num_slots=4, disk_dir=None, tp=TensorParallelGroup.single())
+
+    def broken(load, failed_slots):  # type: ignore[no-untyped-def]
+        raise RuntimeError("copy failed")
+
+    monkeypatch.setattr(offloader, "_load", broken)
+    # a load that waits beside the step is reported with no block intact (recomputed) ...
+    assert step(offloader, KVTransfers(loads=[BlockLoad("r", [0], [1])])).loaded == {"r": 0}
+    # ... one whose sequence's forward is this step's fails the step, naming it
+    with pytest.raises(RuntimeError, match=r"loading 1 KV blocks from the host tier for s, "
+                                           r"which runs in this step, failed: copy failed"):
+        step(offloader, KVTransfers(loads=[BlockLoad("s", [0], [1], in_step=True)]))

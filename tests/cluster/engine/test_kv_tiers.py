@@ -1,7 +1,8 @@
 """The engine with KV tiers, on the CPU in float32: a device pool far smaller than the working
-set, greedy output equal to transformers', repeats served from the host tier and from disk
-(exact token counts), a second engine reading the first one's disk tier, swap preemption,
-refused block files, a disk that fails mid-run, and bad configuration."""
+set, greedy output equal to transformers', repeats served from the host tier (loaded by the
+step that runs them) and from disk (exact token counts), a second engine reading the first
+one's disk tier, swap preemption, refused block files, a disk that fails mid-run, and bad
+configuration."""
 
 import logging
 import shutil
@@ -78,6 +79,23 @@ def test_repeats_are_served_from_the_host_tier(model, expected):
     assert snapshot.kv_offloaded_bytes["host"] % BLOCK_BYTES == 0
     assert snapshot.kv_loaded_bytes["host"] >= after[1] // BS * BLOCK_BYTES
     assert snapshot.kv_load_latency.count > 0
+
+
+def test_a_host_hit_is_loaded_by_the_step_that_runs_it(model, expected):
+    llm = engine(model, host_kv_cache_gb=gib(100))
+    generate(llm)
+    llm.engine.scheduler.kv.reset_prefix_cache()
+    steps = []
+    execute = llm.engine.executor.execute
+    llm.engine.executor.execute = lambda step: steps.append(step) or execute(step)
+    assert [out.token_ids for out in llm.generate(PROMPTS[:1], GREEDY)] == expected[:1]
+    first = steps[0]  # the load and the sequence's remaining prompt token, in one step
+    loaded = (len(PROMPTS[0]) - 1) // BS
+    assert [(load.in_step, len(load.block_ids)) for load in first.transfers.loads] == [
+        (True, loaded)]
+    assert [(item.num_computed_tokens, item.num_new_tokens) for item in first.scheduled] == [
+        (loaded * BS, len(PROMPTS[0]) - loaded * BS)]
+    assert first.transfers.loads[0].block_ids == first.new_requests[0].block_ids[:loaded]
 
 
 def test_preempted_sequences_resume_from_the_host_tier(model, expected):
