@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The one-GPU runs of docs/benchmarks.md, in one go: GPU tests, kernel checks, W1, W2, W4, W2 by
-# kind of step, the attention check, the decode kernel sweep and the one-token projection sweep.
+# kind of step, async scheduling beside one step a call, the attention check, the decode kernel sweep and the one-token projection sweep.
 # Usage: OUT=<folder> bash tools/gpu/run_gpu.sh   (each stage has its own time limit)
 #   ONLY=<regex> runs only the stages whose names match (all stages take longer than one
 #   10-minute device call), e.g. ONLY='gpu tests|W1|projections'.
@@ -24,6 +24,12 @@ stage "W2 vs HF, same work" ${W2_FULL_TIME:-400} python -m cluster.bench through
   --hf-batch-sizes 256 --hf-batch-requests 0 --output "$OUT/w2-hf-same-work.json"
 stage "W2 throughput, no lookahead" ${W2_TIME:-170} python -m cluster.bench throughput --shape qwen3-0.6b \
   --no-hf --no-decode-lookahead --output "$OUT/w2-no-lookahead.json"
+stage "W1 latency, async, one step a call" ${W1_TIME:-110} python -m cluster.bench latency \
+  --shape llama-3.2-1b --no-hf --decode-steps 1 --async-scheduling --output "$OUT/w1-async.json"
+stage "W1 latency, one step a call" ${W1_TIME:-110} python -m cluster.bench latency \
+  --shape llama-3.2-1b --no-hf --decode-steps 1 --output "$OUT/w1-one-step.json"
+stage "W2 throughput, async" ${W2_TIME:-170} python -m cluster.bench throughput --shape qwen3-0.6b \
+  --no-hf --async-scheduling --output "$OUT/w2-async.json"
 stage "W4 prefix" ${W4_TIME:-170} python -m cluster.bench prefix --shape llama-3.2-1b \
   --max-num-seqs 1024 --max-num-batched-tokens 8192 --output "$OUT/w4.json"
 stage "W2 by step" ${STEPS_TIME:-90} python -m tools.profile.step_times
