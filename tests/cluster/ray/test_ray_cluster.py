@@ -31,16 +31,24 @@ def hf_greedy(folder, prompts, max_tokens=12):
 
 
 # vocabularies 1001 and 1003: odd; decode_steps 3 hands sampled tokens to rank 1 by broadcast,
-# and with the lookahead step every rank keeps its tokens for the next call
+# and with the lookahead step every rank keeps its tokens for the next call; one step a call
+# with async scheduling: each call returns the step before's tokens, which rank 0 broadcast
+# on the device for the next step's inputs
 @pytest.mark.parametrize(("name", "decode_steps"), [("llama", 1), ("qwen3", 3)])
 def test_tensor_parallel_2_over_ray_matches_transformers(ray_session, tiny_models, name,
                                                          decode_steps):
     llm = LLM(str(tiny_models[name]), device="cpu", block_size=4, num_kv_blocks=64,
               tensor_parallel_size=2, distributed_executor_backend="ray",
-              decode_steps=decode_steps, decode_lookahead=decode_steps > 1)
+              decode_steps=decode_steps, decode_lookahead=decode_steps > 1,
+              async_scheduling=decode_steps == 1)
     try:
+        deferred = []
+        execute = llm.engine.executor.execute
+        llm.engine.executor.execute = lambda step: deferred.append(step.defer_read) or execute(
+            step)
         outputs = llm.generate(PROMPTS, GREEDY)
         assert [out.token_ids for out in outputs] == hf_greedy(tiny_models[name], PROMPTS)
+        assert (sum(deferred) >= GREEDY.max_tokens) == (decode_steps == 1)
         assert len(set(llm.engine.executor.shard_pids())) == 2
         # every rank's profile of a request: its steps' all-reduces and matmuls are in it
         tables = llm.engine.executor.profile(lambda: llm.generate(PROMPTS[:1], GREEDY))
