@@ -197,6 +197,11 @@ class DraftLength:
     # sequence): until the next try's step the choice is the same, made without a fit
     quiet: bool = False
 
+    def quiet_next(self) -> bool:
+        """The next ``choose`` drafts nothing and fits nothing, whatever it is asked about
+        sequences it knows: quiet, and not a try's step."""
+        return self.adaptive and self.quiet and (self.steps + 1) % RETRY_AFTER != 0
+
     def observe_proposer(self, seconds: float, asked: int) -> None:
         if asked:
             per = seconds / asked

@@ -345,12 +345,14 @@ class LLMEngine:
     def _pipelines(self) -> bool:
         """Whether the next step may be scheduled before the last one is read (async
         scheduling): not when a sequence's sampling or drafts need its tokens on the host
-        (speculation, penalties, a grammar), and not when every sequence decodes and several
+        (drafts next step, penalties, a grammar; speculation that is off runs ahead until its
+        next try), and not when every sequence decodes and several
         decode steps a call would run (``decode_steps``): those calls overlap by their own
         lookahead."""
-        if not self.config.async_scheduling or self.speculator is not None:
-            return False
         scheduler = self.scheduler
+        if not self.config.async_scheduling or (
+                self.speculator is not None and not self.speculator.runs_ahead(scheduler.running)):
+            return False
         if scheduler.config.decode_steps > 1 and not scheduler.waiting and all(
                 seq.num_computed_tokens >= seq.num_prompt_tokens for seq in scheduler.running):
             return False

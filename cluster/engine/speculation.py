@@ -26,8 +26,9 @@ from workers.step_input import StepInput
 def can_speculate(seq: Seq) -> bool:
     """Decoding, and nothing its sampling reads that drafts would change: penalties (the
     history), logprobs (reported for sampled tokens only) or min_tokens still masking."""
-    params = seq.params
-    return (seq.num_tokens - seq.num_computed_tokens == 1 and not params.uses_history
+    params = seq.params  # a token in flight (async scheduling) is its next step's input
+    return (seq.num_tokens + seq.num_pending - seq.num_computed_tokens == 1
+            and not params.uses_history
             and params.logprobs is None and seq.num_output_tokens >= params.min_tokens)
 
 
@@ -126,6 +127,17 @@ class Speculator:
         if self.draft_model is None:
             return step
         return self.draft_model.before_step(step)
+
+    def runs_ahead(self, running: Sequence[Seq]) -> bool:
+        """Whether the next step may be scheduled before this one is read (async
+        scheduling): no sequence holds drafts and the next choice drafts nothing for any that
+        may draft, all of them known to it (quiet until a try's step). Else the engine reads
+        first, so drafts are asked of a sequence's known tokens."""
+        lengths = self.lengths
+        if not lengths.quiet_next():
+            return False
+        return not any(seq.spec_token_ids or seq.num_model_drafts or (
+            can_speculate(seq) and seq.request_id not in lengths.seqs) for seq in running)
 
     def propose(self, running: Sequence[Seq]) -> None:
         """Sets how many drafts each running sequence tries next step, and asks for them."""

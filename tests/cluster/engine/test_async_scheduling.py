@@ -33,9 +33,11 @@ class Calls:
 
     def __init__(self, engine: LLMEngine) -> None:
         self.calls: list[tuple[bool, bool, bool]] = []
+        self.steps: list[StepInput] = []
         execute = engine.executor.execute
 
         def spy(step):  # type: ignore[no-untyped-def]
+            self.steps.append(step)
             output = execute(step)
             self.calls.append((bool(step.scheduled), step.defer_read,
                                output.previous is not None))
@@ -166,3 +168,30 @@ def test_placeholders_are_written_over_by_the_tokens_the_host_read():
     assert state.token_ids == [1, 2, 3, 9, 0] and state.num_placeholders == 1
     state.apply(ScheduledRequest("a", 5, 1, new_token_ids=[8, 7]))
     assert state.token_ids == [1, 2, 3, 9, 8, 7] and state.num_placeholders == 0
+
+
+def test_speculation_that_is_off_runs_ahead_until_its_next_try(tiny_models):
+    """An unrelated draft (adaptive) is turned off within its first verify steps; from then
+    on steps are deferred (the next choice drafts nothing) until a try, which reads first."""
+    long = SamplingParams(temperature=0.0, max_tokens=60)
+    hf = AutoModelForCausalLM.from_pretrained(tiny_models["llama"], dtype=torch.float32)
+    want = [hf.generate(torch.tensor([p]), max_new_tokens=60, do_sample=False,
+                        attention_mask=torch.ones(1, len(p), dtype=torch.long))[0, len(p):].tolist()
+            for p in PROMPTS[:3]]
+    for draft, accepts in (("llama-draft", False), ("llama", True)):
+        config = {"model": str(tiny_models[draft]), "num_speculative_tokens": 3,
+                  "adaptive": True}
+        llm, calls = engine(tiny_models["llama"], num_kv_blocks=256, async_scheduling=True,
+                            speculative_config=config)
+        assert [out.token_ids for out in llm.generate(PROMPTS[:3], long)] == want
+        verifies = [s for s in calls.steps if any(i.num_model_drafts for i in s.scheduled)]
+        assert verifies and not any(s.defer_read for s in verifies)  # a verify reads first
+        stats = llm.stats()
+        if accepts:  # the target as its draft keeps drafting
+            assert stats.spec_decode_num_accepted_tokens >= 0.95 * (
+                stats.spec_decode_num_draft_tokens)
+        else:  # off: most steps ran ahead
+            assert stats.spec_decode_num_accepted_tokens < 0.2 * (
+                stats.spec_decode_num_draft_tokens)
+            assert calls.deferred > len(calls.steps) // 2
+        assert llm.stats().kv_blocks_used == 0
