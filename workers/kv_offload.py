@@ -42,6 +42,7 @@ from kvstore.transfers import BlockLoad, HostImport, KVTransfers, TransferReport
 from workers.disk_transfers import DiskTransfers
 from workers.host_layout import BlockLayout, OffloadInfo
 from workers.layers.parallel import TensorParallelGroup
+from workers.step_input import StepInput
 
 log = logging.getLogger(__name__)
 
@@ -398,3 +399,17 @@ def _runs(slots: list[int]) -> list[tuple[int, int, int]]:
         else:
             runs.append((slot, row, 1))
     return runs
+
+
+def blocks_in_use(step: StepInput, block_size: int) -> tuple[list[int], list[int]]:
+    """(touched, written): the blocks a step's forward reads or writes, and those it writes
+    (the first block not computed yet onwards): what ``before_step`` waits for."""
+    touched, written = [], []
+    new = {request.request_id: request for request in step.new_requests}
+    for item in step.scheduled:
+        request = new.get(item.request_id)
+        if request is not None:
+            touched += request.block_ids
+            written += request.block_ids[item.num_computed_tokens // block_size:]
+        written += item.new_block_ids
+    return touched, written

@@ -7,6 +7,7 @@ import numpy as np
 import torch
 
 from workers.input_batch import DecodeRows
+from workers.request_state import RequestState
 from workers.sampler import SamplerOutput
 from workers.step_input import StepOutput, TokenLogprobs
 
@@ -91,3 +92,13 @@ class Lookahead:
         index = index.to(self.tokens.device, non_blocking=True)
         output = self.output.rows(index) if self.output is not None else None
         return self.tokens[index], output
+
+
+def check_lookahead_slots(first: DecodeRows, num_steps: int, states: dict[str, RequestState],
+                          block_size: int) -> None:
+    """The lookahead's K/V goes into a slot the scheduler allocated to the same sequence; a
+    row without one would write into another sequence's block."""
+    blocks = (first.positions + num_steps) // block_size
+    for request_id, block in zip(first.request_ids, blocks.tolist(), strict=True):
+        if block >= len(states[request_id].block_ids):
+            raise ValueError(f"no slot allocated for the lookahead step of '{request_id}'")

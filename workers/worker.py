@@ -32,12 +32,19 @@ from workers.input_batch import (
     to_device,
 )
 from workers.kv_cache import KVCaches, allocate_kv_caches, kv_bytes_per_block, resolve_kv_format
-from workers.kv_offload import KVOffloader
+from workers.kv_offload import KVOffloader, blocks_in_use
 from workers.layers.batch_invariant import make_batch_invariant, needed_for
 from workers.layers.parallel import TensorParallelGroup
 from workers.loader import load_model
 from workers.model_config import ModelConfig
-from workers.pending import Lookahead, PendingRead, ReadDone, copied_event, to_host
+from workers.pending import (
+    Lookahead,
+    PendingRead,
+    ReadDone,
+    check_lookahead_slots,
+    copied_event,
+    to_host,
+)
 from workers.request_state import RequestState, TokenHistory
 from workers.sampler import Sampler, SamplerOutput, SamplingSpec
 from workers.speculative.device_drafts import DeviceDrafts
@@ -288,27 +295,13 @@ class Worker:
             if step.transfers is not None:
                 raise ValueError("a step carries KV copies, but this worker has no host buffer")
             return self._execute(step)
-        offloader.before_step(step.transfers, *self._blocks_in_use(step))
+        offloader.before_step(step.transfers, *blocks_in_use(step, self.config.block_size))
         output = self._execute(step)
         offloader.after_step(step.transfers)
         report = offloader.report(idle=not step.scheduled)
         if output is not None:
             output.transfers = report
         return output
-
-    def _blocks_in_use(self, step: StepInput) -> tuple[list[int], list[int]]:
-        """(touched, written): the blocks this step's forward reads or writes, and those it
-        writes (the first block not computed yet onwards)."""
-        touched, written = [], []
-        size = self.config.block_size
-        new = {request.request_id: request for request in step.new_requests}
-        for item in step.scheduled:
-            request = new.get(item.request_id)
-            if request is not None:
-                touched += request.block_ids
-                written += request.block_ids[item.num_computed_tokens // size:]
-            written += item.new_block_ids
-        return touched, written
 
     def _execute(self, step: StepInput) -> StepOutput | None:
         output = self._run_step(step)
@@ -400,7 +393,7 @@ class Worker:
             raise ValueError("a lookahead step cannot follow a row whose sampling needs every "
                              "token (penalties, min_tokens, a grammar)")
         if run_lookahead:
-            self._check_lookahead_slots(first, num_steps)
+            check_lookahead_slots(first, num_steps, self.states, self.config.block_size)
         tokens: torch.Tensor | None = None  # (B,) on the device: the last step's samples
         outputs: list[SamplerOutput] = []
         start = 0
@@ -440,14 +433,6 @@ class Worker:
         if tokens is None:
             tokens = torch.empty(count, dtype=torch.int64, device=self.device)
         return self.tp.broadcast(tokens, src=0)
-
-    def _check_lookahead_slots(self, first: DecodeRows, num_steps: int) -> None:
-        """The lookahead's K/V goes into a slot the scheduler allocated to the same sequence;
-        a row without one would write into another sequence's block."""
-        blocks = (first.positions + num_steps) // self.config.block_size
-        for request_id, block in zip(first.request_ids, blocks.tolist(), strict=True):
-            if block >= len(self.states[request_id].block_ids):
-                raise ValueError(f"no slot allocated for the lookahead step of '{request_id}'")
 
     def _forward_decode(self, rows: DecodeRows, input_ids: torch.Tensor | None) -> torch.Tensor:
         hidden = forward_decode_rows(self.model, self.kv_caches, self.graphs, rows, self.device,
