@@ -329,8 +329,9 @@ class Worker:
         if step.defer_read:
             check_deferrable(step, self.states)
         if step.num_steps > 1:
-            check_read([self.states[item.request_id] for item in step.scheduled],
-                       [item.num_computed_tokens + 1 for item in step.scheduled])
+            if unread is not None:  # placeholders follow a deferred step only
+                check_read([self.states[item.request_id] for item in step.scheduled],
+                           [item.num_computed_tokens + 1 for item in step.scheduled])
             return self._execute_decode_steps(step.scheduled, step.num_steps, step.lookahead,
                                               lookahead)
         scheduled, on_device = self.step_drafts.fill(

@@ -346,9 +346,8 @@ class LLMEngine:
         """Whether the next step may be scheduled before the last one is read (async
         scheduling): not when a sequence's sampling or drafts need its tokens on the host
         (drafts next step, penalties, a grammar; speculation that is off runs ahead until its
-        next try), and not when every sequence decodes and several
-        decode steps a call would run (``decode_steps``): those calls overlap by their own
-        lookahead."""
+        next try), and not when every sequence decodes and several decode steps a call would
+        run (``decode_steps``): those calls overlap by their own lookahead."""
         scheduler = self.scheduler
         if not self.config.async_scheduling or (
                 self.speculator is not None and not self.speculator.runs_ahead(scheduler.running)):
@@ -365,7 +364,7 @@ class LLMEngine:
             return []
         started = time.perf_counter()
         result = self.executor.execute(StepInput([], [], []))
-        return unique(self._commit_in_flight(result.previous, time.perf_counter() - started))
+        return self._commit_in_flight(result.previous, time.perf_counter() - started)
 
     def _commit_in_flight(self, result: StepOutput | None,
                           seconds: float) -> list[RequestTracker]:
