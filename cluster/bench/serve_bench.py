@@ -136,10 +136,15 @@ def add_local_arguments(group: argparse._ArgumentGroup) -> None:
                        "auto: 4 on a GPU, 1 on the CPU)")
     group.add_argument("--max-num-seqs", type=int, default=128, help="(default: %(default)s)")
     group.add_argument("--num-kv-blocks", type=int, help="(default: as memory allows)")
+    group.add_argument("--decode-steps", type=int, default=0,
+                       help="decode steps per call when every request decodes (default: 0, "
+                       "auto: 8 on a GPU)")
     group.add_argument("--decode-lookahead", action="store_true",
                        help="multi-step calls also run the next call's first step")
-    group.add_argument("--async-scheduling", action="store_true",
-                       help="schedule each step while the workers run the one before")
+    group.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
+                       default=True,
+                       help="schedule each step while the workers run the one before "
+                       "(default: on)")
     group.add_argument("--max-num-batched-tokens", type=int, default=2048,
                        help="tokens per step at most (default: %(default)s)")
     group.add_argument("--tpot-target-ms", type=float, default=0.0,
@@ -197,7 +202,7 @@ def local_config(args: argparse.Namespace):  # type: ignore[no-untyped-def]
         "ingress_replicas": args.ingress_replicas,
         "max_num_seqs": args.max_num_seqs, "num_kv_blocks": args.num_kv_blocks,
         "max_model_len": args.input_len + args.output_len + 16, "api_key": None,
-        "decode_lookahead": args.decode_lookahead,
+        "decode_steps": args.decode_steps, "decode_lookahead": args.decode_lookahead,
         "async_scheduling": args.async_scheduling,
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "tpot_target_ms": args.tpot_target_ms,

@@ -73,10 +73,11 @@ class EngineConfig:
     decode_lookahead: bool = option(True, "a multi-step call also runs the next call's first "
                                     "step, so the device works while the host reads tokens "
                                     "and schedules (off for `tandem serve`)")
-    async_scheduling: bool = option(False, "schedule each step while the workers run the one "
+    async_scheduling: bool = option(True, "schedule each step while the workers run the one "
                                     "before, whose tokens come back with the next call (one "
                                     "step a call; steps with drafts, penalties or a grammar "
-                                    "wait for their tokens)")
+                                    "wait for their tokens). H100, W3's load at 128 clients: "
+                                    "1.19x the throughput of off")
     cpu_kv_cache_gb: float = option(1.0, "KV cache size on the CPU, in GiB")
     host_kv_cache_gb: float = option(0.0, "host memory for KV blocks offloaded from the device "
                                      "cache (written through as they fill, loaded back on a "

@@ -98,7 +98,7 @@ class ServeConfig(BaseModel):
                                    "call's first step while the host schedules it. Off for "
                                    "serving: arrivals drop most lookaheads, and W3 measured "
                                    "lower HTTP throughput with it.")
-    async_scheduling: bool = Field(False, description="Schedule each step while the workers "
+    async_scheduling: bool = Field(True, description="Schedule each step while the workers "
                                    "run the one before (its tokens come back with the next "
                                    "call); steps with drafts, penalties or a grammar wait for "
                                    "their tokens.")

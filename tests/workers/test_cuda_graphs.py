@@ -110,7 +110,9 @@ def test_static_inputs_load_fills_the_bucket_and_keeps_the_rest():
 @pytest.mark.gpu
 def test_graph_replay_and_decode_steps_match_eager(tiny_models):
     """Eager one step a call = graphs one step a call = graphs 8 steps a call (tokens fed on
-    the device) = the same with the lookahead step, greedy and seeded sampling alike."""
+    the device) = the same with the lookahead step = graphs with async scheduling (each call
+    launches a step whose inputs are the step before's unread samples), greedy and seeded
+    sampling alike."""
     from cluster.engine.llm import LLM
     from router.sampling_params import SamplingParams
 
@@ -118,16 +120,16 @@ def test_graph_replay_and_decode_steps_match_eager(tiny_models):
     greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     seeded = SamplingParams(temperature=0.9, top_p=0.9, seed=5, max_tokens=24, ignore_eos=True)
     outs = {}
-    for eager, steps, lookahead in [(True, 1, False), (False, 1, False), (False, 8, False),
-                                    (False, 8, True)]:
+    runs = [(True, 1, False, False), (False, 1, False, False), (False, 8, False, False),
+            (False, 8, True, False), (False, 1, False, True)]
+    for eager, steps, lookahead, run_ahead in runs:
         llm = LLM(model=str(tiny_models["llama"]), device="cuda", dtype="float32",
                   num_kv_blocks=64, enforce_eager=eager, max_num_seqs=8, decode_steps=steps,
-                  decode_lookahead=lookahead)
+                  decode_lookahead=lookahead, async_scheduling=run_ahead)
         assert (llm.engine.executor.worker.graphs is None) == eager
-        outs[eager, steps, lookahead] = [[o.token_ids for o in llm.generate(prompts, params)]
-                                         for params in (greedy, seeded)]
-    assert (outs[True, 1, False] == outs[False, 1, False] == outs[False, 8, False]
-            == outs[False, 8, True])
+        outs[eager, steps, lookahead, run_ahead] = [
+            [o.token_ids for o in llm.generate(prompts, params)] for params in (greedy, seeded)]
+    assert all(outs[run] == outs[runs[0]] for run in runs), outs
 
 
 def test_collective_capture_problem():

@@ -25,11 +25,11 @@ stage "W2 vs HF, same work" ${W2_FULL_TIME:-400} python -m cluster.bench through
 stage "W2 throughput, no lookahead" ${W2_TIME:-170} python -m cluster.bench throughput --shape qwen3-0.6b \
   --no-hf --no-decode-lookahead --output "$OUT/w2-no-lookahead.json"
 stage "W1 latency, async, one step a call" ${W1_TIME:-110} python -m cluster.bench latency \
-  --shape llama-3.2-1b --no-hf --decode-steps 1 --async-scheduling --output "$OUT/w1-async.json"
-stage "W1 latency, one step a call" ${W1_TIME:-110} python -m cluster.bench latency \
-  --shape llama-3.2-1b --no-hf --decode-steps 1 --output "$OUT/w1-one-step.json"
-stage "W2 throughput, async" ${W2_TIME:-170} python -m cluster.bench throughput --shape qwen3-0.6b \
-  --no-hf --async-scheduling --output "$OUT/w2-async.json"
+  --shape llama-3.2-1b --no-hf --decode-steps 1 --output "$OUT/w1-async.json"
+stage "W1 latency, synchronous, one step a call" ${W1_TIME:-110} python -m cluster.bench latency \
+  --shape llama-3.2-1b --no-hf --decode-steps 1 --no-async-scheduling --output "$OUT/w1-one-step.json"
+stage "W2 throughput, synchronous" ${W2_TIME:-170} python -m cluster.bench throughput \
+  --shape qwen3-0.6b --no-hf --no-async-scheduling --output "$OUT/w2-sync.json"
 stage "W4 prefix" ${W4_TIME:-170} python -m cluster.bench prefix --shape llama-3.2-1b \
   --max-num-seqs 1024 --max-num-batched-tokens 8192 --output "$OUT/w4.json"
 stage "W2 by step" ${STEPS_TIME:-90} python -m tools.profile.step_times

@@ -5,7 +5,7 @@
 # Needs Ray and pydantic: on the GPU machine, `source .kit/on-device.sh` first.
 # Usage: OUT=<folder> W3_VARIANTS="4 0;8 1" bash tools/gpu/run_gpu_serve.sh
 #   W3_ARGS: more arguments for every variant, e.g. W3_ARGS=--decode-lookahead or
-#   W3_ARGS=--async-scheduling (beside a run without, on the same machine)
+#   W3_ARGS=--no-async-scheduling (beside a run with it, the default, on the same machine)
 #   each variant is "<ingress replicas> <throughput-optimized 0|1>" and has W3_TIME seconds; on a
 #   fresh machine one variant of the default loads takes ~4.5 minutes (Ray and Serve start, the
 #   engine captures its graphs twice, ten loads), so keep a call's variants within its limit.

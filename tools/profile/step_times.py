@@ -24,7 +24,7 @@ from cluster import environment
 from cluster.bench.engine_runs import greedy, make_llm
 from cluster.bench.shapes import SHAPES, build_random_model
 from cluster.bench.triton_compiles import CompileLog
-from cluster.bench.workloads import throughput_requests
+from cluster.bench.workloads import Request, throughput_requests
 from workers.kv_cache import kv_bytes_per_block
 
 BATCH_BOUNDS = (8, 16, 32, 64, 128, 192, 256)  # decode calls are also counted by batch size
@@ -185,6 +185,13 @@ def main() -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--decode-steps", type=int, default=0)
+    parser.add_argument("--input-len", type=int, default=0,
+                        help="every prompt this long and every output --output-len (W3's load "
+                             "offline: 1,024 / 128); 0: W2's lengths")
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
+                        default=True, help="schedule each step while the workers run the one "
+                                           "before (default: on)")
     parser.add_argument("--profile-skip", type=int, default=0,
                         help="calls of a profiled kind to let pass before the profiled one")
     parser.add_argument("--profile", nargs="*", default=[], metavar="KIND",
@@ -194,12 +201,17 @@ def main() -> None:
     folder = build_random_model(args.shape, environment.cache_dir() / "bench-models")
     llm = make_llm(folder, max_num_seqs=args.max_num_seqs,
                    max_num_batched_tokens=args.max_num_batched_tokens,
-                   decode_steps=args.decode_steps)
+                   decode_steps=args.decode_steps, async_scheduling=args.async_scheduling)
     warm = throughput_requests(8, 100, 200)
     trace(llm, warm, compiles=compiles)
     torch.cuda.synchronize()
     warm_up_compiles = len(compiles.seen)
-    print(json.dumps(trace(llm, throughput_requests(args.num_requests), tuple(args.profile),
+    requests = throughput_requests(args.num_requests)
+    if args.input_len:
+        requests = [Request((request.prompt_token_ids * args.input_len)[:args.input_len],
+                            args.output_len)
+                    for request in requests]
+    print(json.dumps(trace(llm, requests, tuple(args.profile),
                            args.profile_skip, compiles),
                      indent=1))
     for compile in compiles.seen[warm_up_compiles:]:

@@ -266,3 +266,13 @@ def test_the_step_budget_flags_reach_the_served_engines():
     assert (config.max_num_batched_tokens, config.tpot_target_ms) == (8192, 25.0)
     engine = config.engine_config()
     assert (engine.max_num_batched_tokens, engine.tpot_target_ms) == (8192, 25.0)
+
+
+def test_the_step_shape_flags_reach_the_served_engines():
+    from cluster.bench.serve_bench import local_config
+
+    default = local_config(serve_args("--model", "/models/m")).engine_config()
+    assert (default.decode_steps, default.async_scheduling) == (0, True)
+    engine = local_config(serve_args("--model", "/models/m", "--decode-steps", "1",
+                                     "--no-async-scheduling")).engine_config()
+    assert (engine.decode_steps, engine.async_scheduling) == (1, False)

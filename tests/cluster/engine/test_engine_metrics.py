@@ -7,8 +7,10 @@ from cluster.engine.llm_engine import LLMEngine
 
 
 def test_steps_requests_and_the_load_sample(tiny_models):
+    # synchronous: each step's tokens are read by the call that runs it (counts exact per step)
     engine = LLMEngine(EngineConfig(model=str(tiny_models["llama"]), device="cpu", block_size=4,
-                                    num_kv_blocks=32, max_num_batched_tokens=8))
+                                    num_kv_blocks=32, max_num_batched_tokens=8,
+                                    async_scheduling=False))
     params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
     engine.add_request(list(range(10, 22)), params, "a")  # 12 prompt tokens
     engine.add_request(list(range(40, 45)), params, "b")  # 5

@@ -224,7 +224,8 @@ def test_a_call_queues_its_tokens_for_the_host_before_its_lookahead(tiny_models,
     """The host then waits for this call's tokens alone, not for the lookahead behind them:
     that step runs on the device while the host reads and schedules."""
     llm = LLM(str(tiny_models["llama"]), device="cpu", dtype="float32", block_size=4,
-              num_kv_blocks=256, decode_steps=5, decode_lookahead=True)
+              num_kv_blocks=256, decode_steps=5, decode_lookahead=True,
+              async_scheduling=False)  # the prefill's call reads it (not the next call)
     worker, events = llm.engine.executor.worker, []
     start_read, forward_decode, execute = (worker._start_read, worker._forward_decode,
                                            worker.execute)
@@ -255,7 +256,8 @@ def test_aborting_a_request_with_a_lookahead_pending(tiny_models, expected, monk
 
     engine = LLMEngine(EngineConfig(model=str(tiny_models["llama"]), device="cpu",
                                     dtype="float32", block_size=4, num_kv_blocks=256,
-                                    decode_steps=5, decode_lookahead=True))
+                                    decode_steps=5, decode_lookahead=True,
+                                    async_scheduling=False))  # the prefill read by its call
     worker, tokens, taken = engine.executor.worker, {}, []
     taken_up = Lookahead.taken_up
 
