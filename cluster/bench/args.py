@@ -31,9 +31,8 @@ def common_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decode-lookahead", action=argparse.BooleanOptionalAction, default=True,
                         help="multi-step calls also run the next call's first step (default: on)")
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
-                        default=True,
                         help="schedule each step while the workers run the one before "
-                        "(default: on)")
+                        "(default: on a GPU, off on the CPU)")
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--block-size", type=int, default=16)

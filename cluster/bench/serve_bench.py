@@ -142,9 +142,8 @@ def add_local_arguments(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--decode-lookahead", action="store_true",
                        help="multi-step calls also run the next call's first step")
     group.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
-                       default=True,
                        help="schedule each step while the workers run the one before "
-                       "(default: on)")
+                       "(default: on a GPU, off on the CPU)")
     group.add_argument("--max-num-batched-tokens", type=int, default=2048,
                        help="tokens per step at most (default: %(default)s)")
     group.add_argument("--tpot-target-ms", type=float, default=0.0,

@@ -93,7 +93,7 @@ SWITCHES = {  # ServeConfig field -> (flag, help): --flag / --no-flag
     "decode_lookahead": ("--decode-lookahead", "multi-step calls also run the next call's first "
                          "step (default: off for serving)"),
     "async_scheduling": ("--async-scheduling", "schedule each step while the workers run the "
-                         "one before (default: on)"),
+                         "one before (default: on a GPU, off on the CPU)"),
 }
 # vLLM's older speculative flags -> speculative_config's keys (--speculative-config is the JSON)
 SPECULATIVE_FLAGS = {

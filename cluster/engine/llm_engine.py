@@ -349,7 +349,7 @@ class LLMEngine:
         next try), and not when every sequence decodes and several decode steps a call would
         run (``decode_steps``): those calls overlap by their own lookahead."""
         scheduler = self.scheduler
-        if not self.config.async_scheduling or (
+        if not self.config.resolved_async_scheduling or (
                 self.speculator is not None and not self.speculator.runs_ahead(scheduler.running)):
             return False
         if scheduler.config.decode_steps > 1 and not scheduler.waiting and all(

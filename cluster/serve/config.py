@@ -98,10 +98,11 @@ class ServeConfig(BaseModel):
                                    "call's first step while the host schedules it. Off for "
                                    "serving: arrivals drop most lookaheads, and W3 measured "
                                    "lower HTTP throughput with it.")
-    async_scheduling: bool = Field(True, description="Schedule each step while the workers "
-                                   "run the one before (its tokens come back with the next "
-                                   "call); steps with drafts, penalties or a grammar wait for "
-                                   "their tokens.")
+    async_scheduling: bool | None = Field(None, description="Schedule each step while the "
+                                          "workers run the one before (its tokens come back "
+                                          "with the next call); steps with drafts, penalties "
+                                          "or a grammar wait for their tokens. None: on a GPU, "
+                                          "off on the CPU.")
     seed: int = Field(0, description="Seed of the engines' random state.")
     host_kv_cache_gb: float = Field(0.0, ge=0, description="Host memory per replica for KV "
                                     "blocks offloaded from the device (written through, loaded "

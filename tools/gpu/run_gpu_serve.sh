@@ -9,7 +9,7 @@
 #   each variant is "<ingress replicas> <throughput-optimized 0|1>" and has W3_TIME seconds; on a
 #   fresh machine one variant of the default loads takes ~4.5 minutes (Ray and Serve start, the
 #   engine captures its graphs twice, ten loads), so keep a call's variants within its limit.
-#   W3_CONCURRENCY (default 1,32,128,256) and W3_POISSON (uncapped Poisson rates, default 80).
+#   W3_CONCURRENCY (default 1,32,128,256) and W3_POISSON (uncapped Poisson rates, default 80; empty for none).
 set -o pipefail
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export TANDEM_CACHE_DIR=${TANDEM_CACHE_DIR:-/tmp/tandem-cache}
@@ -25,7 +25,7 @@ for variant in "${variants[@]}"; do
   echo "== W3, $ingress ingress replica(s), throughput-optimized Serve: $optimized" | tee -a "$LOG"
   RAY_SERVE_THROUGHPUT_OPTIMIZED=$optimized timeout "${W3_TIME:-480}" python -m cluster.bench \
     serve --shape llama-3.2-1b --concurrency "${W3_CONCURRENCY:-1,32,128,256}" \
-    --poisson-rate "${W3_POISSON:-80}" \
+    --poisson-rate "${W3_POISSON-80}" \
     --ingress-replicas "$ingress" ${W3_ARGS:-} --output "$OUT/w3-ingress$ingress-opt$optimized.json" \
     2>>"$ERR" | grep "^|" | tee -a "$LOG"
 done

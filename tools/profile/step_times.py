@@ -190,8 +190,8 @@ def main() -> None:
                              "offline: 1,024 / 128); 0: W2's lengths")
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
-                        default=True, help="schedule each step while the workers run the one "
-                                           "before (default: on)")
+                        help="schedule each step while the workers run the one before "
+                             "(default: on a GPU)")
     parser.add_argument("--profile-skip", type=int, default=0,
                         help="calls of a profiled kind to let pass before the profiled one")
     parser.add_argument("--profile", nargs="*", default=[], metavar="KIND",

@@ -9,6 +9,7 @@ import os
 import socket
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -272,7 +273,9 @@ def test_the_step_shape_flags_reach_the_served_engines():
     from cluster.bench.serve_bench import local_config
 
     default = local_config(serve_args("--model", "/models/m")).engine_config()
-    assert (default.decode_steps, default.async_scheduling) == (0, True)
+    assert (default.decode_steps, default.async_scheduling) == (0, None)
+    assert (replace(default, device="cpu").resolved_async_scheduling,
+            replace(default, device="cuda").resolved_async_scheduling) == (False, True)
     engine = local_config(serve_args("--model", "/models/m", "--decode-steps", "1",
                                      "--no-async-scheduling")).engine_config()
     assert (engine.decode_steps, engine.async_scheduling) == (1, False)

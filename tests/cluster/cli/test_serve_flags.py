@@ -36,7 +36,7 @@ def config_of(*flags):
     (["--scheduler-delay-factor", "0.5"], "scheduler_delay_factor", 0.5),
     (["--tpot-target-ms", "25"], "tpot_target_ms", 25.0),
     (["--async-scheduling"], "async_scheduling", True),
-    ([], "async_scheduling", True),
+    ([], "async_scheduling", None),
     (["--no-async-scheduling"], "async_scheduling", False),
     (["--kv-cache-dtype", "int8"], "kv_cache_dtype", "int8"),
     (["--kv-cache-dtype", "fp8"], "kv_cache_dtype", "fp8"),
