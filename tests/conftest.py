@@ -6,6 +6,7 @@ import tests.workers.triton_interpreter  # noqa: F401, I001
 import pytest
 
 from cluster import environment
+from cluster.ray.start import init_ray
 from tests.cluster.cli import served_process
 from tests.cluster.ray import nodes_background
 from tests.gpus import skip_without_gpus
@@ -64,6 +65,6 @@ def ray_session():
 
     if not ray.is_initialized():
         # logical CPUs: tests place more one-CPU actors than this machine has cores
-        ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+        init_ray(num_cpus=8, include_dashboard=False, log_to_driver=False)
     yield ray
     ray.shutdown()

@@ -17,6 +17,7 @@ from cluster.bench.engine_runs import greedy, percentiles
 from cluster.bench.report import markdown_table
 from cluster.bench.workloads import Request
 from cluster.engine.config import EngineConfig
+from cluster.ray.start import init_ray
 
 
 def engine_config(args: argparse.Namespace, folder: str, dtype: str, device: str) -> EngineConfig:
@@ -81,7 +82,7 @@ def prefix_replicas(args: argparse.Namespace, config: EngineConfig, requests: li
     from cluster.ray.tandem_cluster import TandemCluster
 
     if not ray.is_initialized():
-        ray.init(include_dashboard=False, log_to_driver=False)
+        init_ray(include_dashboard=False, log_to_driver=False)
     results = {}
     for routing in args.routing.split(","):
         print(f"{args.replicas} replicas, routing {routing} ...", flush=True)

@@ -41,6 +41,7 @@ from cluster.bench.serve_slo import (
 )
 from cluster.bench.vllm_results import result_file_name
 from cluster.cli.serve_ports import ServePorts, serve_ports
+from cluster.ray.start import init_ray
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 DEFAULT_CONCURRENCIES = "1,8,32,128"
@@ -226,7 +227,6 @@ def free_serve_ports(num_ingress: int, throughput: bool, tries: int = 50) -> Ser
 
 async def _serve_bench(args: argparse.Namespace, loads: list[Load], config,  # type: ignore[no-untyped-def]
                        ports: ServePorts) -> int:
-    import ray
     from ray import serve
 
     from cluster.bench.report import machine_facts, publish
@@ -235,7 +235,7 @@ async def _serve_bench(args: argparse.Namespace, loads: list[Load], config,  # t
     from workers.loader import load_config as load_hf_config
 
     bound = await asyncio.to_thread(measure_bound, args, config)
-    ray.init(include_dashboard=False, ignore_reinit_error=True)
+    init_ray(include_dashboard=False, ignore_reinit_error=True)
     print("in-process: TandemCluster.generate, no HTTP")
     cluster = await asyncio.to_thread(TandemCluster, config.engine_config(), config.num_replicas)
     vocab = min(load_hf_config(cluster.model_path).vocab_size, SAFE_VOCAB)

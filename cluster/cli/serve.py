@@ -16,6 +16,7 @@ from cluster.cli.autoscaling_flags import add_autoscaling_flags, autoscaling_con
 from cluster.cli.drain import ShutdownRequested, drain_and_stop, raise_on_signals, stop_serve
 from cluster.cli.serve_ports import ServePorts, serve_ports
 from cluster.engine.config import DEFAULT_MODEL
+from cluster.ray.start import init_ray
 from cluster.serve.config import ServeConfig, load_config
 from workers.speculative.config import SpeculativeConfig
 
@@ -228,7 +229,7 @@ def run_server(config: ServeConfig, ports: ServePorts) -> None:
 
     from cluster.serve.app import APP_NAME, server_app
 
-    ray.init(include_dashboard=False, log_to_driver=True)
+    init_ray(include_dashboard=False, log_to_driver=True)
     raise_on_signals()
     stopped_by_signal = False
     try:

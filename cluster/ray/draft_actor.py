@@ -13,6 +13,7 @@ placing it freely. Steps without drafts never reach the actor.
 
 import ray
 
+from cluster.ray.start import init_ray
 from workers.speculative.draft_follower import DraftFollower, DraftRow
 
 
@@ -60,7 +61,7 @@ def draft_actor(folder: str, dtype: str, device: str, block_size: int, num_draft
     """The cluster's draft actor for this model and settings, created by the first replica
     that asks (``get_if_exists``), found by the others."""
     if not ray.is_initialized():
-        ray.init()
+        init_ray()
     on_gpu = device.startswith("cuda")
     name = f"tandem-draft:{folder}:{dtype}:{block_size}:{num_drafts}"
     return ray.remote(DraftActor).options(

@@ -17,6 +17,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.ray.placement import check_placeable, shard_bundle
 from cluster.ray.shard_actor import SHARD_ACTOR_OPTIONS, Park, ShardActor
+from cluster.ray.start import init_ray
 from cluster.ray.step_notice import StepNotices
 from workers.device_stats import DeviceStats
 from workers.host_layout import OffloadInfo
@@ -31,7 +32,7 @@ class ShardFailure(RuntimeError):
 class RayExecutor:
     def __init__(self, config: WorkerConfig, tensor_parallel_size: int) -> None:
         if not ray.is_initialized():
-            ray.init()
+            init_ray()
         on_gpu = config.device.startswith("cuda")
         if on_gpu:  # each actor runs on its own GPU, the current CUDA device it picks
             config = WorkerConfig(**{**config.__dict__, "device": "cuda"})

@@ -41,6 +41,7 @@ from cluster.ray.replica_start import start_replicas
 from cluster.ray.replica_streams import ReplicaStream
 from cluster.ray.router_actor import ROUTER_ACTOR_OPTIONS, RouterActor, RouterAddress
 from cluster.ray.serving_policy import ServingPolicy
+from cluster.ray.start import init_ray
 from kvstore.block_hash import BlockHash, ExtraKeys, hash_full_blocks
 from router.admission import Refusal
 from router.autoscale import AutoscalingPolicy
@@ -88,7 +89,7 @@ class TandemCluster:
             raise ValueError(f"unknown routing policy {routing!r} (choose from "
                              f"{', '.join(POLICIES)})")
         if not ray.is_initialized():
-            ray.init()
+            init_ray()
         # pull once here, not in every replica at the same time
         resolve_model(config.model, config.cache_dir)
         # every replica is a placement group of its own: refuse at once what no node can hold

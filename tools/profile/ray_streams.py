@@ -13,6 +13,8 @@ import time
 
 import ray
 
+from cluster.ray.start import init_ray
+
 STREAMS, MESSAGES = 32, 200
 
 
@@ -42,7 +44,7 @@ async def consume(producer, streams: int, messages: int, per_message: int) -> in
 
 
 def main() -> None:
-    ray.init(include_dashboard=False, ignore_reinit_error=True)
+    init_ray(include_dashboard=False, ignore_reinit_error=True)
     producer = ray.remote(Producer).remote()
     ray.get(producer.cpu.remote())
     print("| layout | deltas | seconds | producer CPU µs/delta | consumer CPU µs/delta |")

@@ -19,6 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from ray import serve
 from ray.serve.api import RunTarget
 
+from cluster.ray.start import init_ray
 from cluster.serve.app import server_app
 from cluster.serve.config import ServeConfig
 from cluster.serve.prometheus import METRIC_NAMES
@@ -42,7 +43,7 @@ def free_port() -> int:
 def base_url():
     started_ray = not ray.is_initialized()
     if started_ray:
-        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+        init_ray(num_cpus=4, include_dashboard=False, log_to_driver=False)
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     common = dict(model=MODEL, device="cpu", dtype="float32", num_kv_blocks=96,
