@@ -19,6 +19,13 @@ copy's event (the GPU waits, not the host), and only when a copy is still in fli
 - a block this step reads or writes that a load is still filling (on another shard of the
   same step the load may lag behind the driver's, which reported it done).
 
+A copy starts once the compute stream has finished what it had queued before the step that
+asks for it (``_step_start``: a block the pool hands out again may still be read or written by
+the step before), except a load none of whose blocks the step in flight uses (``busy``: every
+block of the sequences it ran, preempted ones included): with async scheduling the step before
+is still running when the next one's loads are issued, and such a load fills its blocks beside
+it instead of after it.
+
 Block files are written and read on a background thread (``disk_transfers.py``): a load that
 needs a file waits there, off the step, and its copies are queued once the file is read.
 The host itself waits for a copy only to read or write a slot by CPU (a copy of it for a file,
@@ -32,7 +39,7 @@ import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -144,9 +151,12 @@ class KVOffloader:
     # -- a step ---------------------------------------------------------------------------
 
     def before_step(self, transfers: KVTransfers | None, touched: Iterable[int],
-                    written: Iterable[int]) -> None:
+                    written: Iterable[int],
+                    busy: Callable[[], set[int]] | None = None) -> None:
         """The copies that come before the forward, then the compute stream's waits for the
-        blocks this step ``touched`` (reads or writes) and ``written``."""
+        blocks this step ``touched`` (reads or writes) and ``written``. ``busy``: the blocks
+        the step in flight may still use (asked only when a load is issued on a GPU); without
+        it every load waits for that step."""
         self._retire()
         if self.on_gpu:  # what the compute stream has queued so far: earlier steps' writes
             self._step_start = torch.cuda.Event()
@@ -161,7 +171,8 @@ class KVOffloader:
                 self._import(host_import)
             now = self.disk.start(transfers.from_disk, transfers.loads, self._host_ready)
             if now:
-                self._load_all(now, set(self.disk.refused))
+                in_flight = busy() if busy is not None and self.streams else None
+                self._load_all(now, set(self.disk.refused), in_flight)
             self._disk_step = bool(transfers.to_disk or transfers.from_disk)
         if self.batches:
             self._wait_for(touched, written)
@@ -217,14 +228,17 @@ class KVOffloader:
                                                        non_blocking=True)
                 self._record(STORE, stores_from=set(blocks), slots=set(slots))
 
-    def _load_all(self, loads: list[BlockLoad], failed_slots: set[int]) -> None:
+    def _load_all(self, loads: list[BlockLoad], failed_slots: set[int],
+                  in_flight: set[int] | None = None) -> None:
         """Every load; one whose copies raised on any shard is reported with no block
-        intact (the engine recomputes its tokens), the others as they land."""
+        intact (the engine recomputes its tokens), the others as they land. ``in_flight``:
+        the blocks the step in flight uses (a load of none of them need not wait for it);
+        None: every load waits."""
         started: list[_PendingLoad] = []
         failed: list[bool] = []
         for load in loads:
             try:
-                started.append(self._load(load, failed_slots))
+                started.append(self._load(load, failed_slots, in_flight))
                 failed.append(False)
             except RuntimeError as error:
                 if load.in_step:  # its sequence's forward is this step's: it cannot go on
@@ -240,7 +254,8 @@ class KVOffloader:
             self.pending_loads.append(_PendingLoad(pending.request_id, 0, None) if bad
                                       else pending)
 
-    def _load(self, load: BlockLoad, failed_slots: set[int]) -> _PendingLoad:
+    def _load(self, load: BlockLoad, failed_slots: set[int],
+              in_flight: set[int] | None = None) -> _PendingLoad:
         """Host slots to device blocks, up to the first slot whose file was refused: one copy
         per run of consecutive slots into the staging buffer, one scatter per cache tensor."""
         num_ok = next((i for i, slot in enumerate(load.host_slots) if slot in failed_slots),
@@ -252,7 +267,9 @@ class KVOffloader:
             slots, blocks = [s for s, _ in chunk], [b for _, b in chunk]
             n = len(chunk)
             stage = self.stages[LOAD]
-            with self._on_copy_stream(LOAD, set(blocks), set(slots)), self._timed(n):
+            after_step = in_flight is None or not in_flight.isdisjoint(blocks)
+            with self._on_copy_stream(LOAD, set(blocks), set(slots), after_step), \
+                    self._timed(n):
                 for slot, row, count in _runs(slots):
                     stage[row:row + count].copy_(self.host[slot:slot + count],
                                                  non_blocking=True)
@@ -262,16 +279,18 @@ class KVOffloader:
                 event = self._record(LOAD, loads_into=set(blocks), slots=set(slots))
         return _PendingLoad(load.request_id, num_ok, event)
 
-    def _on_copy_stream(self, kind: str, blocks: set[int],
-                        slots: set[int]) -> contextlib.AbstractContextManager[object]:
+    def _on_copy_stream(self, kind: str, blocks: set[int], slots: set[int],
+                        after_step: bool = True) -> contextlib.AbstractContextManager[object]:
         """The ``kind`` copy stream, behind what the compute stream queued before this step
-        and behind the other stream's copies of these ``blocks`` and ``slots`` (on the CPU:
-        nothing, every copy is done when it returns)."""
+        (unless not ``after_step``: blocks no queued step uses) and behind the other
+        stream's copies of these ``blocks`` and ``slots`` (on the CPU: nothing, every copy is
+        done when it returns)."""
         if not self.streams:
             return contextlib.nullcontext()
         assert self._step_start is not None
         stream = self.streams[kind]
-        stream.wait_event(self._step_start)
+        if after_step:
+            stream.wait_event(self._step_start)
         self._order_after(LOAD if kind == STORE else STORE, stream, blocks, slots)
         return torch.cuda.stream(stream)
 
@@ -413,3 +432,10 @@ def blocks_in_use(step: StepInput, block_size: int) -> tuple[list[int], list[int
             written += request.block_ids[item.num_computed_tokens // block_size:]
         written += item.new_block_ids
     return touched, written
+
+
+def blocks_of_requests(request_ids: Iterable[str], block_tables: dict) -> set[int]:
+    """Every block of these requests (those still known; ``block_tables``: request id ->
+    an object with ``block_ids``): what a step of theirs still in flight may read or write."""
+    return set().union(*(block_tables[request_id].block_ids for request_id in request_ids
+                         if request_id in block_tables))

@@ -32,7 +32,7 @@ from workers.input_batch import (
     to_device,
 )
 from workers.kv_cache import KVCaches, allocate_kv_caches, kv_bytes_per_block, resolve_kv_format
-from workers.kv_offload import KVOffloader, blocks_in_use
+from workers.kv_offload import KVOffloader, blocks_in_use, blocks_of_requests
 from workers.layers.batch_invariant import make_batch_invariant, needed_for
 from workers.layers.parallel import TensorParallelGroup
 from workers.loader import load_model
@@ -86,6 +86,7 @@ class Worker:
         self.states: dict[str, RequestState] = {}
         self.kv_caches: KVCaches = []
         self.offloader: KVOffloader | None = None  # copies to and from the host and disk tiers
+        self.last_step_ids: list[str] = []  # the sequences of the last step: maybe still running
         # an int8 cache's keys less each layer's mean, calibrated in init_kv_cache
         self.key_centers: list[torch.Tensor] | None = None
         self.centers_digest: str | None = None
@@ -283,6 +284,7 @@ class Worker:
         self._use_device()
         previous, self.deferred_read = self.deferred_read, None
         output = self._execute_with_copies(step)
+        self.last_step_ids = [item.request_id for item in step.scheduled]
         if step.defer_read and self.deferred_read is None and self.is_driver:
             self.deferred_read = ReadDone(StepOutput([], []))  # no row sampled
         if previous is not None and output is not None:  # read while this step runs
@@ -295,7 +297,9 @@ class Worker:
             if step.transfers is not None:
                 raise ValueError("a step carries KV copies, but this worker has no host buffer")
             return self._execute(step)
-        offloader.before_step(step.transfers, *blocks_in_use(step, self.config.block_size))
+        offloader.before_step(
+            step.transfers, *blocks_in_use(step, self.config.block_size),
+            busy=lambda: blocks_of_requests(self.last_step_ids, self.states))
         output = self._execute(step)
         offloader.after_step(step.transfers)
         report = offloader.report(idle=not step.scheduled)

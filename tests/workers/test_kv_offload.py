@@ -12,7 +12,7 @@ from kvstore.transfers import BlockLoad, DiskRead, DiskWrite, KVTransfers
 from tests.workers.gloo_group import gloo_group
 from workers.attention.layer_cache import LayerKVCache
 from workers.host_layout import BlockLayout, layer_tensors
-from workers.kv_offload import KVOffloader
+from workers.kv_offload import KVOffloader, blocks_of_requests
 from workers.layers.parallel import TensorParallelGroup
 
 NUM_BLOCKS, BLOCK_SIZE, HEADS, DIM = 8, 4, 2, 8
@@ -214,7 +214,7 @@ def test_a_failed_copy_fails_the_step_of_a_load_whose_sequence_runs_in_it(monkey
     tensors = layer_tensors(caches(torch.float32))
     offloader = KVOffloader(tensors, num_slots=4, disk_dir=None, tp=TensorParallelGroup.single())
 
-    def broken(load, failed_slots):  # type: ignore[no-untyped-def]
+    def broken(load, failed_slots, in_flight=None):  # type: ignore[no-untyped-def]
         raise RuntimeError("copy failed")
 
     monkeypatch.setattr(offloader, "_load", broken)
@@ -224,3 +224,28 @@ def test_a_failed_copy_fails_the_step_of_a_load_whose_sequence_runs_in_it(monkey
     with pytest.raises(RuntimeError, match=r"loading 1 KV blocks from the host tier for s, "
                                            r"which runs in this step, failed: copy failed"):
         step(offloader, KVTransfers(loads=[BlockLoad("s", [0], [1], in_step=True)]))
+
+
+def test_the_blocks_of_a_step_in_flight_are_every_block_of_its_known_sequences():
+    class Table:
+        def __init__(self, block_ids):
+            self.block_ids = block_ids
+
+    tables = {"a": Table([3, 7, 9]), "b": Table([9, 2]), "c": Table([5])}
+    # "gone" was released before this was asked: nothing of it is known any more
+    assert blocks_of_requests(["a", "b", "gone"], tables) == {2, 3, 7, 9}
+    assert blocks_of_requests([], tables) == set()
+
+
+def test_on_the_cpu_no_load_asks_which_blocks_are_in_flight():
+    """Every copy there is done when it returns: nothing runs beside a step to wait for."""
+    tensors = layer_tensors(caches(torch.float32))
+    offloader = KVOffloader(tensors, num_slots=4, disk_dir=None, tp=TensorParallelGroup.single())
+    def busy():
+        raise AssertionError("asked on the CPU")
+
+    offloader.before_step(KVTransfers(stores_first=[(1, 0)]), [], [])
+    offloader.before_step(KVTransfers(loads=[BlockLoad("r", [0], [2], in_step=True)]), [2], [],
+                          busy=busy)
+    assert torch.equal(bits(tensors[0][2]), bits(tensors[0][1]))
+    assert offloader.report(idle=False).loaded == {"r": 1}

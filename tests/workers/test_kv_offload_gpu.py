@@ -91,6 +91,31 @@ def test_a_block_written_by_the_step_waits_for_its_copy_to_the_host():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("busy", [{10, 11}, {10, 21}])
+def test_a_load_starts_beside_the_step_in_flight_unless_that_step_uses_its_blocks(busy):
+    """A step in flight (a long kernel on the compute stream) uses the blocks ``busy``: a load
+    into blocks 20 and 21 lands before it ends when neither is among them, after it when one
+    is (the pool may have handed that block out again while the step still reads it); the
+    loaded bytes are the host slots' either way."""
+    tensors = layer_tensors(gpu_caches(torch.bfloat16, num_blocks=64, layers=4))
+    offloader = KVOffloader(tensors, num_slots=64, disk_dir=None, tp=SINGLE)
+    run(offloader, KVTransfers(stores_first=[(0, 0), (1, 1)]))
+    torch.cuda.synchronize()
+    expected = bits(tensors, [0, 1])
+    torch.cuda._sleep(500_000_000)  # the step in flight: ~0.25 s of GPU clock cycles
+    step_done = torch.cuda.Event(enable_timing=True)
+    step_done.record()
+    offloader.before_step(KVTransfers(loads=[BlockLoad("r", [0, 1], [20, 21], in_step=True)]),
+                          touched=[20, 21], written=[], busy=lambda: busy)
+    load_done = offloader.pending_loads[-1].event
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(bits(tensors, [20, 21]), expected,
+                                                  strict=True))
+    landed_before_step_end = load_done.elapsed_time(step_done) > 0
+    assert landed_before_step_end == busy.isdisjoint({20, 21})
+
+
+@pytest.mark.gpu
 def test_an_engine_with_host_and_disk_tiers_gives_the_tokens_of_one_without(tiny_models,
                                                                              tmp_path):
     from cluster import LLM, SamplingParams

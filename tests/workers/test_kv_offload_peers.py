@@ -49,7 +49,7 @@ def test_a_load_whose_copies_raise_is_reported_with_no_block_intact(caplog):
     shard = offloader(seed=3)
     step(shard, KVTransfers(stores=[(0, 0)]))
 
-    def broken(load, failed_slots):
+    def broken(load, failed_slots, in_flight=None):
         raise RuntimeError("copy engine fault")
 
     shard._load = broken

@@ -107,6 +107,51 @@ def test_preempted_sequences_resume_from_the_host_tier(model, expected):
     assert stats.num_preemptions > 0 and stats.host_cache_hits > 0
 
 
+def test_a_load_is_told_the_blocks_the_step_before_may_still_use(model, expected):
+    """With async scheduling the step before may still run on the device when a load is
+    issued: the workers tell the offloader which blocks that step uses (every block the
+    scheduler had allotted its sequences), and on a GPU a load into none of them starts at
+    once (workers/kv_offload.py). A host hit arriving while another sequence decodes: its
+    load is told exactly that sequence's blocks, and both answers are transformers'."""
+    llm = LLM(str(model), device="cpu", dtype="float32", block_size=BS, num_kv_blocks=64,
+              host_kv_cache_gb=gib(100), max_num_seqs=4, async_scheduling=True)
+    generate(llm)  # every prompt's full blocks reach the host tier
+    llm.engine.scheduler.kv.reset_prefix_cache()
+    engine_, kv, worker = llm.engine, llm.engine.scheduler.kv, llm.engine.executor.worker
+    allotted: list[set[int]] = []  # per call, as it was scheduled
+    told: list[tuple[int, set[int], set[int]]] = []  # (call, blocks told, blocks loaded)
+    execute, before_step = engine_.executor.execute, worker.offloader.before_step
+
+    def recording(step):
+        allotted.append(set().union(*(kv.block_ids(item.request_id)
+                                      for item in step.scheduled)))
+        return execute(step)
+
+    def telling(transfers, touched, written, busy=None):
+        if transfers is not None and transfers.loads:
+            loaded = {b for load in transfers.loads for b in load.block_ids}
+            told.append((len(allotted) - 1, busy(), loaded))
+        return before_step(transfers, touched, written, busy)
+
+    engine_.executor.execute, worker.offloader.before_step = recording, telling
+    fresh = [(7 * i) % 990 + 3 for i in range(21)]  # in no tier
+    decoding = engine_.add_request(fresh, SamplingParams(temperature=0.0, max_tokens=12))
+    outputs = {}
+    for _ in range(4):  # its prefill, then decodes, the last one still in flight
+        outputs |= {o.request_id: o.token_ids for o in engine_.step(only_finished=True)}
+    hit = engine_.add_request(PROMPTS[0], GREEDY)
+    while engine_.has_unfinished():
+        outputs |= {o.request_id: o.token_ids for o in engine_.step(only_finished=True)}
+    assert outputs[hit] == expected[0]
+    assert len(outputs[decoding]) == 12
+    # one load, the hit's, in the step that runs it; told the decoding sequence's blocks as
+    # the step before had them (six: its 21 prompt tokens and those decoded so far, in blocks
+    # of 4), none of which it loads into
+    [(call, blocks, loaded)] = told
+    assert blocks == allotted[call - 1] and len(blocks) == 6
+    assert len(loaded) == (len(PROMPTS[0]) - 1) // BS and blocks.isdisjoint(loaded)
+
+
 def test_without_a_host_tier_the_same_run_recomputes(model, expected):
     llm = engine(model)
     assert generate(llm) == expected
