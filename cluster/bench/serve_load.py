@@ -185,7 +185,9 @@ def runner_of(send: Send) -> Runner:
 async def run_loads(send: Send | None, args: argparse.Namespace, loads: list[Load],
                     vocab: int, runner: Runner | None = None) -> dict[str, dict]:
     """Each load warmed up, then measured; ``runner`` (if given) runs them instead of one
-    ``send`` in this process. Beside each load's figures, the cores each process used."""
+    ``send`` in this process. Beside each load's figures, the cores each process used and
+    how busy each GPU was (``gpu_busy``, where nvidia-smi runs)."""
+    from cluster.bench.gpu_meter import GpuMeter
     from cluster.bench.process_cpu import CpuMeter
 
     if runner is None:
@@ -200,12 +202,15 @@ async def run_loads(send: Send | None, args: argparse.Namespace, loads: list[Loa
         await runner(warm, min(16, args.output_len), load, args.seed)
         count = num_prompts(load, args.num_requests)
         prompts = make_prompts(count, args.input_len, vocab, seed=args.seed + index)
-        meter = CpuMeter()
+        meter, gpus = CpuMeter(), GpuMeter()
         timings, seconds = await runner(prompts, args.output_len, load, args.seed)
         result = summarize(timings, seconds, [len(p) for p in prompts], load, goodput_slo(args))
-        cores = meter.shares()
-        results[load.name] = result | {"cpu_cores": cores}
+        cores, busy = meter.shares(), gpus.busy()
+        results[load.name] = result | {"cpu_cores": cores} | (
+            {} if busy is None else {"gpu_busy": busy})
         busiest = ", ".join(f"{name} {share:.2f}" for name, share in list(cores.items())[:6])
+        devices = "" if not busy else "; GPUs busy " + ", ".join(
+            f"{gpu}: {share:.0%}" for gpu, share in busy.items())
         print(f"  {load.name}: {result['output_tokens_per_s']:.1f} output tok/s "
-              f"(cores: {busiest})")
+              f"(cores: {busiest}{devices})")
     return results
