@@ -27,5 +27,5 @@ for variant in "${variants[@]}"; do
     serve --shape llama-3.2-1b --concurrency "${W3_CONCURRENCY:-1,32,128,256}" \
     --poisson-rate "${W3_POISSON-80}" \
     --ingress-replicas "$ingress" ${W3_ARGS:-} --output "$OUT/w3-ingress$ingress-opt$optimized.json" \
-    2>>"$ERR" | grep "^|" | tee -a "$LOG"
+    2>>"$ERR" | grep -E "^\||GPUs busy" | tee -a "$LOG"
 done
