@@ -39,9 +39,10 @@ import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -50,6 +51,9 @@ from workers.disk_transfers import DiskTransfers
 from workers.host_layout import BlockLayout, OffloadInfo
 from workers.layers.parallel import TensorParallelGroup
 from workers.step_input import StepInput
+
+if TYPE_CHECKING:
+    from workers.request_state import RequestState
 
 log = logging.getLogger(__name__)
 
@@ -434,8 +438,9 @@ def blocks_in_use(step: StepInput, block_size: int) -> tuple[list[int], list[int
     return touched, written
 
 
-def blocks_of_requests(request_ids: Iterable[str], block_tables: dict) -> set[int]:
-    """Every block of these requests (those still known; ``block_tables``: request id ->
-    an object with ``block_ids``): what a step of theirs still in flight may read or write."""
-    return set().union(*(block_tables[request_id].block_ids for request_id in request_ids
-                         if request_id in block_tables))
+def blocks_of_requests(request_ids: Iterable[str],
+                       states: "Mapping[str, RequestState]") -> set[int]:
+    """Every block of these requests (those still known): what a step of theirs still in
+    flight may read or write."""
+    return set().union(*(states[request_id].block_ids for request_id in request_ids
+                         if request_id in states))

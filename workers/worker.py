@@ -86,7 +86,8 @@ class Worker:
         self.states: dict[str, RequestState] = {}
         self.kv_caches: KVCaches = []
         self.offloader: KVOffloader | None = None  # copies to and from the host and disk tiers
-        self.last_step_ids: list[str] = []  # the sequences of the last step: maybe still running
+        # the last step's rows: their sequences' blocks may still be in use on the device
+        self.last_scheduled: list[ScheduledRequest] = []
         # an int8 cache's keys less each layer's mean, calibrated in init_kv_cache
         self.key_centers: list[torch.Tensor] | None = None
         self.centers_digest: str | None = None
@@ -284,7 +285,7 @@ class Worker:
         self._use_device()
         previous, self.deferred_read = self.deferred_read, None
         output = self._execute_with_copies(step)
-        self.last_step_ids = [item.request_id for item in step.scheduled]
+        self.last_scheduled = step.scheduled
         if step.defer_read and self.deferred_read is None and self.is_driver:
             self.deferred_read = ReadDone(StepOutput([], []))  # no row sampled
         if previous is not None and output is not None:  # read while this step runs
@@ -299,7 +300,8 @@ class Worker:
             return self._execute(step)
         offloader.before_step(
             step.transfers, *blocks_in_use(step, self.config.block_size),
-            busy=lambda: blocks_of_requests(self.last_step_ids, self.states))
+            busy=lambda: blocks_of_requests(
+                (item.request_id for item in self.last_scheduled), self.states))
         output = self._execute(step)
         offloader.after_step(step.transfers)
         report = offloader.report(idle=not step.scheduled)

@@ -76,7 +76,9 @@ class LLMEngine:
                  replica_index: int | None = None) -> None:
         """``replica_index``: the engine serves that replica of a cluster and keeps its KV
         events for the cluster's directory (``kv_events``); otherwise they are dropped."""
-        self.config = config
+        # async scheduling decided once (None: on a GPU), not on every step's _pipelines
+        self.config = config = replace(config,
+                                       async_scheduling=config.resolved_async_scheduling)
         self.model_path = resolve_model(config.model, config.cache_dir)
         hf_config = load_config(self.model_path)
         self.vocab_size = hf_config.vocab_size
@@ -349,7 +351,7 @@ class LLMEngine:
         next try), and not when every sequence decodes and several decode steps a call would
         run (``decode_steps``): those calls overlap by their own lookahead."""
         scheduler = self.scheduler
-        if not self.config.resolved_async_scheduling or (
+        if not self.config.async_scheduling or (
                 self.speculator is not None and not self.speculator.runs_ahead(scheduler.running)):
             return False
         if scheduler.config.decode_steps > 1 and not scheduler.waiting and all(
