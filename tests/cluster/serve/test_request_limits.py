@@ -32,6 +32,13 @@ def call(method: str, path: str, body: object = None, raw: str | None = None,
          cluster: RecordingCluster | None = None) -> httpx.Response:
     """One request to the app; ``body`` is sent as ASCII JSON (escapes keep lone surrogates),
     ``raw`` as is (JSON's Infinity and NaN, which json.dumps would also write)."""
+    content = raw if raw is not None else None if body is None else json.dumps(body)
+    return calls([(method, path, content)], cluster)[0]
+
+
+def calls(requests: list[tuple[str, str, str | None]],
+          cluster: RecordingCluster | None = None) -> list[httpx.Response]:
+    """Several requests, in order, to one app (one server: one start time on its model card)."""
     cluster = cluster or RecordingCluster()
 
     async def go():
@@ -39,9 +46,9 @@ def call(method: str, path: str, body: object = None, raw: str | None = None,
         app = build_app(OpenAIService(cluster, ChatTokenizer(), "fake"), settings)
         transport = httpx.ASGITransport(app)
         async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
-            content = raw if raw is not None else None if body is None else json.dumps(body)
-            return await client.request(method, path, content=content,
-                                        headers={"Content-Type": "application/json"})
+            return [await client.request(method, path, content=content,
+                                         headers={"Content-Type": "application/json"})
+                    for method, path, content in requests]
 
     return run(go())
 
@@ -244,8 +251,9 @@ def test_guidellm_and_bench_serve_bodies_are_accepted():
 
 
 def test_a_model_is_found_by_its_id():
-    listed = call("GET", "/v1/models").json()["data"]
-    one = call("GET", "/v1/models/fake")
+    # one server: its two answers were taken from two servers started a second apart
+    listing, one = calls([("GET", "/v1/models", None), ("GET", "/v1/models/fake", None)])
+    listed = listing.json()["data"]
     assert one.status_code == 200 and [one.json()] == listed
     assert one.json()["object"] == "model" and one.json()["max_model_len"] == 64
 
