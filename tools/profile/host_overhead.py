@@ -45,6 +45,12 @@ class FakeExecutor:
     def init_kv_cache(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
 
+    def key_centers_digest(self) -> None:
+        return None  # a bf16 cache: no int8 key centers
+
+    def device_stats(self) -> list:
+        return []
+
     def execute(self, step: StepInput) -> StepOutput:
         start = time.perf_counter()
         for request_id in step.released_ids:
