@@ -1,7 +1,8 @@
 """The HTTP API end to end: the official `openai` client against the default model on Ray Serve.
 
-One Ray instance and one Serve instance for the module, on a port found at run time; two
-applications: the open one at `/` and one that needs an API key at `/keyed`.
+One Ray instance and one Serve instance for the module, on a port found at run time; one
+application that needs an API key, two HTTP replicas in front of one engine replica (an
+application and its engine cost ~10 s of the suite's start: one serves every test here).
 """
 
 import json
@@ -17,7 +18,6 @@ import pytest
 import ray
 from prometheus_client.parser import text_string_to_metric_families
 from ray import serve
-from ray.serve.api import RunTarget
 
 from cluster.ray.start import init_ray
 from cluster.serve.app import server_app
@@ -29,6 +29,8 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 MODEL = "smollm2-135m-instruct"
 API_KEY = "sk-test-key"
+HEADERS = {"Content-Type": "application/json", "Authorization": f"Bearer {API_KEY}"}
+APP = "keyed"
 PROMPT = "Once upon a time"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -48,12 +50,8 @@ def base_url():
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     common = dict(model=MODEL, device="cpu", dtype="float32", num_kv_blocks=96,
                   max_model_len=512, max_body_bytes=64 << 10)
-    serve.run_many([  # deployed at once
-        RunTarget(server_app(ServeConfig(**common, api_key=None)), name="open",
-                  route_prefix="/"),
-        # two HTTP replicas in front of one engine replica
-        RunTarget(server_app(ServeConfig(**common, api_key=API_KEY, ingress_replicas=2)),
-                  name="keyed", route_prefix="/keyed")])
+    serve.run(server_app(ServeConfig(**common, api_key=API_KEY, ingress_replicas=2)),
+              name=APP, route_prefix="/")
     yield f"http://127.0.0.1:{port}"
     serve.shutdown()
     if started_ray:
@@ -62,7 +60,7 @@ def base_url():
 
 @pytest.fixture(scope="module")
 def client(base_url):
-    return openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
+    return openai.OpenAI(base_url=f"{base_url}/v1", api_key=API_KEY, max_retries=0)
 
 
 def greedy(**extra):
@@ -160,8 +158,7 @@ def test_models_and_health(client, base_url):
 ])
 def test_bad_requests_get_openai_errors(base_url, route, body, status, param):
     content = body if isinstance(body, str) else json.dumps(body)
-    response = httpx.post(f"{base_url}/v1/{route}", content=content,
-                          headers={"Content-Type": "application/json"})
+    response = httpx.post(f"{base_url}/v1/{route}", content=content, headers=HEADERS)
     assert response.status_code == status, response.text
     error = response.json()["error"]
     assert error["message"] and error["type"] and error["code"], error
@@ -188,7 +185,7 @@ def test_a_bad_seed_or_a_lone_surrogate_is_a_400_while_others_stream_on(client, 
 
     def post(route: str, body: dict) -> httpx.Response:
         return httpx.post(f"{base_url}/v1/{route}", content=json.dumps(body), timeout=60,
-                          headers={"Content-Type": "application/json"})
+                          headers=HEADERS)
 
     with ThreadPoolExecutor(4) as pool:
         streams = [pool.submit(stream_text) for _ in range(4)]
@@ -238,13 +235,13 @@ def test_disconnect_mid_stream_aborts_and_frees_blocks(client, base_url):
 
 
 def test_api_key_is_enforced(base_url):
-    url = f"{base_url}/keyed/v1"
+    url = f"{base_url}/v1"
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=url, api_key="wrong", max_retries=0).models.list()
     assert httpx.post(f"{url}/completions", json={"prompt": PROMPT}).status_code == 401
     keyed = openai.OpenAI(base_url=url, api_key=API_KEY, max_retries=0)
     assert keyed.completions.create(prompt=PROMPT, max_tokens=2, **greedy()).choices
-    assert httpx.get(f"{base_url}/keyed/health").status_code == 200
+    assert httpx.get(f"{base_url}/health").status_code == 200  # health needs no key
 
 
 def test_metrics_are_all_exposed(client, base_url):
@@ -261,23 +258,22 @@ def test_metrics_are_all_exposed(client, base_url):
     assert {s.labels["model_name"] for s in families["tandem:batch_size"].samples} == {MODEL}
 
 
-def test_ingress_replicas_share_one_set_of_engines(base_url):
+def test_ingress_replicas_share_one_set_of_engines(client, base_url):
     from concurrent.futures import ThreadPoolExecutor
 
-    status = serve.status().applications["keyed"].deployments
+    status = serve.status().applications[APP].deployments
     assert status["tandem"].replica_states.get("RUNNING") == 2
     assert status["tandem-engines"].replica_states.get("RUNNING") == 1
     def generated_by_replica() -> list[tuple[str, float]]:
-        text = httpx.get(f"{base_url}/keyed/metrics").text
+        text = httpx.get(f"{base_url}/metrics").text
         return [(s.labels["replica"], s.value) for f in text_string_to_metric_families(text)
                 for s in f.samples if s.name == "tandem:generation_tokens_total"]
 
     [(_, before)] = generated_by_replica()
-    keyed = openai.OpenAI(base_url=f"{base_url}/keyed/v1", api_key=API_KEY, max_retries=0)
     with ThreadPoolExecutor(8) as pool:
-        outs = list(pool.map(lambda _: keyed.completions.create(
+        outs = list(pool.map(lambda _: client.completions.create(
             prompt=PROMPT, max_tokens=6, **greedy()).choices[0].text, range(8)))
-    expected = keyed.completions.create(prompt=PROMPT, max_tokens=6, **greedy()).choices[0].text
+    expected = client.completions.create(prompt=PROMPT, max_tokens=6, **greedy()).choices[0].text
     assert outs == [expected] * 8
     # whichever HTTP replica answers, /metrics reports the one engine, which ran all 9 (were
     # there an engine per HTTP replica, the requests would split between them)
