@@ -33,6 +33,9 @@ def add_draft_head_command(subparsers: argparse._SubParsersAction) -> None:
     train.add_argument("--k", type=int, default=3, help="drafts a step when measuring")
     train.add_argument("--device", default="auto", help="auto (cuda when present, else cpu) | "
                        "cpu | cuda | cuda:N")
+    train.add_argument("--noise", type=float, default=0.05,
+                       help="Gaussian noise on the target's features in training, in each "
+                       "feature dimension's own spread (0: none)")
     train.add_argument("--seed", type=int, default=0)
     train.set_defaults(handler=run_train)
 
@@ -44,11 +47,13 @@ def run_train(args: argparse.Namespace) -> int:
                  "pack_tokens"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
+    if args.noise < 0:
+        raise ValueError(f"--noise must be at least 0, got {args.noise}")
     report = train_draft_head(
         args.model, Path(args.output), questions=args.questions,
         self_written=args.self_written, max_tokens=args.max_tokens, epochs=args.epochs,
         steps=args.ttt_steps, lr=args.lr, draft_vocab=args.draft_vocab,
         held_out=args.held_out, k=args.k, device=args.device, seed=args.seed,
-        pack_tokens=args.pack_tokens, init=Path(args.init) if args.init else None)
+        pack_tokens=args.pack_tokens, noise=args.noise, init=Path(args.init) if args.init else None)
     print(json.dumps(report, indent=2))
     return 0
