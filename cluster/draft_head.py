@@ -117,16 +117,15 @@ def teacher_forced(hf, sequences: list[torch.Tensor], aux_layers: tuple[int, ...
 
 
 def with_noise(features: torch.Tensor, scale: float) -> torch.Tensor:
-    """The features with Gaussian noise of ``scale`` times each dimension's own spread over
-    the pack. Not one spread for all: a small model's residual stream has a few dimensions of
-    massive activations (SmolLM2-135M: |x| up to ~25,000 in the streams of layers 15 and 27,
-    where a typical dimension spreads ~10 and layer 2's ~1.6), and noise at 5% of the overall
-    spread (~7) drowned every ordinary dimension: the head trained on noise and drafted from
-    clean features."""
+    """The features with Gaussian noise of ``scale`` times their overall spread. A small
+    model's residual stream has a few dimensions of massive activations (SmolLM2-135M: |x| up
+    to ~25,000 in the streams of layers 15 and 27, where a typical dimension spreads ~10 and
+    layer 2's ~1.6), so this is large noise on every ordinary dimension: it regularizes a head
+    trained on few tokens. Noise in each dimension's own spread instead gave a worse head
+    (docs/experiments.md)."""
     if scale <= 0:
         return features
-    spread = features.std(dim=0, keepdim=True) if len(features) > 1 else features.abs()
-    return features + scale * spread * torch.randn_like(features)
+    return features + scale * features.std() * torch.randn_like(features)
 
 
 def train_head(examples: list[Example], hf, head, epochs: int, steps: int, lr: float,  # type: ignore[no-untyped-def]

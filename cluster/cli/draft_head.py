@@ -34,8 +34,8 @@ def add_draft_head_command(subparsers: argparse._SubParsersAction) -> None:
     train.add_argument("--device", default="auto", help="auto (cuda when present, else cpu) | "
                        "cpu | cuda | cuda:N")
     train.add_argument("--noise", type=float, default=0.05,
-                       help="Gaussian noise on the target's features in training, in each "
-                       "feature dimension's own spread (0: none)")
+                       help="Gaussian noise on the target's features in training, in "
+                       "their overall spread (0: none)")
     train.add_argument("--seed", type=int, default=0)
     train.set_defaults(handler=run_train)
 
