@@ -116,6 +116,9 @@ def teacher_forced(hf, sequences: list[torch.Tensor], aux_layers: tuple[int, ...
     return features, logits.float().softmax(-1)
 
 
+FEATURE_NOISE = 0.05  # the training noise's share of the features' spread (with_noise)
+
+
 def with_noise(features: torch.Tensor, scale: float) -> torch.Tensor:
     """The features with Gaussian noise of ``scale`` times their overall spread. A small
     model's residual stream has a few dimensions of massive activations (SmolLM2-135M: |x| up
@@ -130,7 +133,7 @@ def with_noise(features: torch.Tensor, scale: float) -> torch.Tensor:
 
 def train_head(examples: list[Example], hf, head, epochs: int, steps: int, lr: float,  # type: ignore[no-untyped-def]
                device: torch.device, seed: int, pack_tokens: int = 2048,
-               noise: float = 0.05) -> list[float]:
+               noise: float = FEATURE_NOISE) -> list[float]:
     """Epochs of AdamW over the examples (shuffled, packed up to ``pack_tokens`` a step, the
     target's features made for each pack and given a little noise); each epoch's mean loss."""
     from workers.speculative.eagle.training import ttt_loss
@@ -190,7 +193,7 @@ def accepted_length(model: str, head: Path, questions: list[str], k: int, max_to
 def train_draft_head(model: str, output: Path, *, questions: int, self_written: int,
                      max_tokens: int, epochs: int, steps: int, lr: float, draft_vocab: int,
                      held_out: int, k: int, device: str, seed: int,
-                     pack_tokens: int = 2048, noise: float = 0.05,
+                     pack_tokens: int = 2048, noise: float = FEATURE_NOISE,
                      init: Path | None = None) -> dict:
     from transformers import AutoModelForCausalLM
 
