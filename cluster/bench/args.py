@@ -1,7 +1,8 @@
 """`tandem bench {latency,throughput,prefix,serve,speculative,tp-scaling,kv-accuracy,
-capacity}`: the arguments; the work of the first three is in commands.py, serve's in
+capacity,structured}`: the arguments; the work of the first three is in commands.py, serve's in
 serve_bench.py (its load in serve_load.py), speculative's in speculative.py, tp-scaling's in
-tp_scaling.py, kv-accuracy's in kv_accuracy.py, capacity's in capacity.py."""
+tp_scaling.py, kv-accuracy's in kv_accuracy.py, capacity's in capacity.py, structured's in
+structured.py."""
 
 import argparse
 import sys
@@ -10,6 +11,7 @@ from cluster.bench.capacity import add_capacity_parser
 from cluster.bench.serve_bench import add_serve_bench_parser
 from cluster.bench.shapes import SHAPES
 from cluster.bench.speculative import add_speculative_parser
+from cluster.bench.structured import add_structured_parser
 
 
 def common_arguments(parser: argparse.ArgumentParser) -> None:
@@ -229,3 +231,4 @@ def add_bench_parsers(subparsers: argparse._SubParsersAction) -> None:
     add_tp_scaling_parser(workloads)  # W7: cluster/bench/tp_scaling.py
     add_kv_accuracy_parser(workloads)  # cluster/bench/kv_accuracy.py
     add_capacity_parser(workloads, common_arguments)  # W6: cluster/bench/capacity.py
+    add_structured_parser(workloads, common_arguments)  # cluster/bench/structured.py

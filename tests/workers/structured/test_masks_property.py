@@ -17,43 +17,13 @@ from workers.catalog import DEFAULT_MODEL, model_path
 from workers.request_state import RequestState
 from workers.sampler import Sampler, SamplingSpec
 from workers.structured.backend import GrammarCompiler
+from workers.structured.corpus import OTHERS, SCHEMAS
 from workers.structured.masks import LogitConstraints
 from workers.structured.row_grammar import RowGrammar
 
 pytestmark = pytest.mark.slow
 VOCAB, EOS = 49152, 2
 MAX_TOKENS = 160
-NAME = {"type": "string", "maxLength": 8}
-SCHEMAS = [
-    {"type": "object", "properties": {"name": NAME, "age": {"type": "integer", "minimum": 0,
-                                                             "maximum": 120}},
-     "required": ["name", "age"]},
-    {"type": "object", "properties": {"tags": {"type": "array", "items": NAME, "maxItems": 3}},
-     "required": ["tags"]},
-    {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]},
-                                      "ok": {"type": "boolean"}},
-     "required": ["color", "ok"]},
-    {"type": "object", "properties": {"id": {"anyOf": [{"type": "integer", "minimum": 0,
-                                                        "maximum": 999}, NAME]}},
-     "required": ["id"]},
-    {"$defs": {"point": {"type": "object", "properties": {"x": {"type": "integer",
-               "minimum": -9, "maximum": 9}}, "required": ["x"]}},
-     "type": "object", "properties": {"a": {"$ref": "#/$defs/point"},
-                                      "b": {"$ref": "#/$defs/point"}},
-     "required": ["a", "b"]},
-    {"type": "object", "properties": {"code": {"type": "string", "pattern": "^[A-Z]{2}[0-9]{3}$"}},
-     "required": ["code"]},
-    {"type": "object", "properties": {"inner": {"type": "object", "properties": {
-        "list": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9},
-                 "minItems": 1, "maxItems": 4}}, "required": ["list"]}},
-     "required": ["inner"]},
-]
-OTHERS = [
-    StructuredOutputs(regex=r"[0-9]{3}-[0-9]{4}"),
-    StructuredOutputs(choice=("yes", "no", "maybe so")),
-    StructuredOutputs(grammar='root ::= "(" [a-c]{1,4} ")" | "none"'),
-    StructuredOutputs(json_object=True),
-]
 SPECS = [SamplingSpec(temperature=0.0), SamplingSpec(temperature=1.0, seed=7),
          SamplingSpec(temperature=0.7, top_p=0.9, min_p=0.02, seed=11)]
 
