@@ -16,7 +16,7 @@ import torch
 
 from workers.input_batch import DecodeRows, to_device
 from workers.request_state import RequestState
-from workers.step_input import ScheduledRequest, StepInput
+from workers.step_input import ScheduledRequest, StepInput, StepOutput
 
 
 @dataclass
@@ -57,19 +57,37 @@ def placeholder_inputs(states: list[RequestState], ends: list[int]) -> list[int]
     return rows
 
 
-def check_deferrable(step: StepInput, states: dict[str, RequestState]) -> None:
-    """A deferred step samples plain rows only: one step a call, no drafts, and no row whose
-    sampling reads its own tokens (penalties, a grammar), which are placeholders meanwhile."""
+def check_deferrable(step: StepInput) -> None:
+    """A deferred step runs one decode step a call and verifies no drafts. Rows whose sampling
+    reads their own tokens (penalties, a grammar) may be in it: their one unread token is
+    read before they sample (``read_own_tokens``)."""
     if step.num_steps > 1:
         raise ValueError("a step whose read is deferred runs one decode step, not several")
     for item in step.scheduled:
-        state = states[item.request_id]
         if item.draft_token_ids or item.num_model_drafts:
             raise ValueError(f"request '{item.request_id}' verifies drafts in a step whose "
                              "read is deferred")
-        if state.spec.uses_history or state.grammar is not None:
-            raise ValueError(f"request '{item.request_id}' samples from its own tokens "
-                             "(penalties or a grammar) in a step whose read is deferred")
+
+
+def reads_own_tokens(state: RequestState) -> bool:
+    return state.spec.uses_history or state.grammar is not None
+
+
+def read_own_tokens(states: list[RequestState], previous: StepOutput) -> None:
+    """Writes the step before's tokens over the placeholders of the rows whose sampling reads
+    them (a grammar's matcher, the penalties' history): the host waits for that step's copy
+    alone, while the device runs this step's forward. The placeholder count stays: the next
+    step message brings the same tokens (``RequestState.apply``)."""
+    rows = {request_id: row for row, request_id in enumerate(previous.request_ids)}
+    for state in states:
+        if not state.num_placeholders or not reads_own_tokens(state):
+            continue
+        row = rows.get(state.request_id)
+        if row is None or state.num_placeholders != len(previous.token_ids[row]):
+            raise ValueError(f"request '{state.request_id}' has {state.num_placeholders} "
+                             "unread token(s) that the step before did not sample")
+        first_unread = len(state.token_ids) - state.num_placeholders
+        state.token_ids[first_unread:] = previous.token_ids[row]
 
 
 def unread_inputs(unread: DeferredTokens | None, rows: DecodeRows,

@@ -17,6 +17,8 @@ from workers.deferred_tokens import (
     check_deferrable,
     check_read,
     fill_unread,
+    read_own_tokens,
+    reads_own_tokens,
     unread_inputs,
 )
 from workers.device_stats import DeviceStats, read_device_stats
@@ -97,6 +99,7 @@ class Worker:
         # for the next step's inputs and on their way to the host for the next call's return
         self.unread: DeferredTokens | None = None
         self.deferred_read: PendingRead | ReadDone | None = None
+        self.previous_read: PendingRead | ReadDone | None = None  # the call's step before's
         self.defers = False  # the step running now keeps its tokens on the device
         # logit_bias and grammar masks (workers/structured/masks.py), once a row has either
         self.constraints: LogitConstraints | None = None
@@ -283,14 +286,24 @@ class Worker:
         tiers it carries around it; the driver (rank 0) returns the sampled tokens and what
         the copies finished, other ranks None."""
         self._use_device()
-        previous, self.deferred_read = self.deferred_read, None
+        self.previous_read, self.deferred_read = self.deferred_read, None
         output = self._execute_with_copies(step)
         self.last_scheduled = step.scheduled
         if step.defer_read and self.deferred_read is None and self.is_driver:
             self.deferred_read = ReadDone(StepOutput([], []))  # no row sampled
+        previous, self.previous_read = self.previous_read, None
         if previous is not None and output is not None:  # read while this step runs
             output.previous = previous.result()
         return output
+
+    def _read_previous(self) -> StepOutput:
+        """The step before's tokens, now (a deferred step's rows that sample from them)."""
+        previous = self.previous_read
+        if previous is None:
+            raise ValueError("a row has unread tokens, but no step before this one is unread")
+        if not isinstance(previous, ReadDone):
+            self.previous_read = previous = ReadDone(previous.result())
+        return previous.output
 
     def _execute_with_copies(self, step: StepInput) -> StepOutput | None:
         offloader = self.offloader
@@ -333,7 +346,7 @@ class Worker:
         if not step.scheduled:
             return StepOutput([], []) if self.is_driver else None
         if step.defer_read:
-            check_deferrable(step, self.states)
+            check_deferrable(step)
         if step.num_steps > 1:
             if unread is not None:  # placeholders follow a deferred step only
                 check_read([self.states[item.request_id] for item in step.scheduled],
@@ -494,6 +507,8 @@ class Worker:
         """Samples each row's next token (``offset`` tokens past what the state holds), on the
         device: nothing is read back here."""
         states = [self.states[request_id] for request_id in request_ids]
+        if offset == 0 and any(s.num_placeholders and reads_own_tokens(s) for s in states):
+            read_own_tokens(states, self._read_previous())  # while the forward runs
         constraints = self._constraints_for(states)
         if constraints is not None:
             # past a call's first step a row that needs every token keeps none of its samples

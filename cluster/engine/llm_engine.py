@@ -346,19 +346,20 @@ class LLMEngine:
 
     def _pipelines(self) -> bool:
         """Whether the next step may be scheduled before the last one is read (async
-        scheduling): not when a sequence's sampling or drafts need its tokens on the host
-        (drafts next step, penalties, a grammar; speculation that is off runs ahead until its
-        next try), and not when every sequence decodes and several decode steps a call would
-        run (``decode_steps``): those calls overlap by their own lookahead."""
+        scheduling): not when a sequence's drafts need its tokens on the host (drafts next
+        step; speculation that is off runs ahead until its next try), and not when every
+        sequence decodes and several decode steps a call would run (``decode_steps``): those
+        calls overlap by their own lookahead. Rows whose sampling reads their tokens (a
+        grammar, penalties) pipeline: the worker reads the one they lack while the step's
+        forward runs (workers/deferred_tokens.py)."""
         scheduler = self.scheduler
         if not self.config.async_scheduling or (
                 self.speculator is not None and not self.speculator.runs_ahead(scheduler.running)):
             return False
-        if scheduler.config.decode_steps > 1 and not scheduler.waiting and all(
-                seq.num_computed_tokens >= seq.num_prompt_tokens for seq in scheduler.running):
-            return False
-        return not any(seq.params.uses_history or seq.params.structured_outputs is not None
-                       for seq in itertools.chain(scheduler.running, scheduler.waiting))
+        running = scheduler.running
+        return not (scheduler.config.decode_steps > 1 and not scheduler.waiting and all(
+            seq.num_computed_tokens >= seq.num_prompt_tokens for seq in running) and not all(
+            seq.samples_one_at_a_time for seq in running))
 
     def _read_in_flight(self) -> list[RequestTracker]:
         """Reads the step in flight (a call with nothing to run), if there is one."""

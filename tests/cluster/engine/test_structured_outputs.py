@@ -67,6 +67,35 @@ def test_the_same_greedy_object_through_preemption():
     assert all(o.outputs[0].token_ids == alone for o in outs)
 
 
+def test_async_scheduling_runs_constrained_and_penalized_rows_ahead_with_the_same_output(llm):
+    """Each step is launched before the one before is read; a row's matcher (and a penalty's
+    history) gets its last token while the step's forward runs: the outputs are the
+    synchronous engine's, preemption included."""
+    prompts = [PROMPT, "Pick a color:", "The capital of France is", "Count: one, two,"]
+    params = [structured(json=PERSON),
+              SamplingParams(temperature=1.0, seed=5, max_tokens=8,
+                             structured_outputs={"choice": ["red", "green", "blue"]}),
+              SamplingParams(temperature=0.0, max_tokens=24, repetition_penalty=1.3),
+              SamplingParams(temperature=0.8, seed=9, max_tokens=24, frequency_penalty=0.5)]
+    expected = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    for blocks in (256, 6):  # 6: someone is preempted with a token in flight
+        ahead = LLM(DEFAULT_MODEL, device="cpu", dtype="float32", block_size=16,
+                    num_kv_blocks=blocks, async_scheduling=True, enable_prefix_caching=False)
+        deferred = []
+        execute = ahead.engine.executor.execute
+
+        def spy(step, execute=execute, deferred=deferred):  # type: ignore[no-untyped-def]
+            deferred.append(step.defer_read)
+            return execute(step)
+
+        ahead.engine.executor.execute = spy  # type: ignore[method-assign]
+        outs = ahead.generate(prompts, params)
+        assert [o.outputs[0].token_ids for o in outs] == expected
+        jsonschema.validate(json.loads(outs[0].outputs[0].text), PERSON)
+        assert sum(deferred) > len(deferred) // 2  # most steps ran ahead
+        assert (ahead.engine.scheduler.num_preemptions > 0) == (blocks == 6)
+
+
 @pytest.mark.parametrize("proposer", ["ngram", "draft"])
 def test_speculation_keeps_the_greedy_structured_output(llm, proposer):
     # the draft model (the target itself, fixed length) proposes without the grammar: drafts
