@@ -75,8 +75,9 @@ class EngineConfig:
                                     "and schedules (off for `tandem serve`)")
     async_scheduling: bool | None = option(
         None, "schedule each step while the workers run the one before, whose tokens come back "
-        "with the next call (one step a call; steps with drafts, penalties or a grammar wait "
-        "for their tokens); None: on a GPU (H100, W3's load at 128 clients: 1.19x the "
+        "with the next call (one step a call; steps with drafts wait for their tokens; rows "
+        "with a grammar or penalties read their last token while the forward runs); None: on a "
+        "GPU (H100, W3's load at 128 clients: 1.19x the "
         "throughput of off), off on the CPU (nothing runs beside the host there: 0.87x)",
         shown="on a GPU")
     cpu_kv_cache_gb: float = option(1.0, "KV cache size on the CPU, in GiB")

@@ -100,8 +100,8 @@ class ServeConfig(BaseModel):
                                    "lower HTTP throughput with it.")
     async_scheduling: bool | None = Field(None, description="Schedule each step while the "
                                           "workers run the one before (its tokens come back "
-                                          "with the next call); steps with drafts, penalties "
-                                          "or a grammar wait for their tokens. None: on a GPU, "
+                                          "with the next call); steps with drafts wait for "
+                                          "their tokens. None: on a GPU, "
                                           "off on the CPU.")
     seed: int = Field(0, description="Seed of the engines' random state.")
     host_kv_cache_gb: float = Field(0.0, ge=0, description="Host memory per replica for KV "
