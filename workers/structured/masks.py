@@ -30,6 +30,9 @@ class LogitConstraints:
         self.host = torch.empty(0, bitmask_words(vocab), dtype=torch.int32)
         self.shifts = torch.arange(BITS, dtype=torch.int32, device=device)
         self.broken: list[tuple[str, str]] = []  # rows whose output broke their grammar
+        # on a GPU: the host buffer's copy to the device (async scheduling fills the next
+        # step's mask while a step runs; the buffer is written again only once it has left)
+        self.copied: torch.cuda.Event | None = None
 
     def rows(self, count: int) -> torch.Tensor:
         """The first ``count`` rows of the host buffer (all tokens allowed)."""
@@ -38,6 +41,9 @@ class LogitConstraints:
             pin = self.device.type == "cuda"
             self.host = torch.empty(size, bitmask_words(self.vocab), dtype=torch.int32,
                                     pin_memory=pin)
+        if self.copied is not None:  # the last step's words may still be on their way over
+            self.copied.synchronize()
+            self.copied = None
         rows = self.host[:count]
         rows.fill_(-1)
         return rows
@@ -62,6 +68,7 @@ class LogitConstraints:
         if constrained:
             bitmask = self.rows(logits.shape[0])
             masked: list[int] = []  # the rows a grammar masks; the others are left alone
+            anded: dict[int, tuple[torch.Tensor, list[int]]] = {}  # and_row's id -> its rows
             for index, (start, state, row_drafts) in enumerate(spans):
                 grammar = state.grammar if state is not None else None
                 if grammar is None or state is None:
@@ -70,11 +77,15 @@ class LogitConstraints:
                 if broken is not None:
                     self.broken.append((state.request_id, broken))
                 if row_drafts is None:
-                    grammar.fill(bitmask, start)
+                    if grammar.fill(bitmask, start, and_row=False) and (
+                            grammar.and_row is not None):
+                        anded.setdefault(id(grammar.and_row), (grammar.and_row, []))[1].append(
+                            start)
                     masked.append(start)
                 else:
                     valid[index] = grammar.fill_drafts(bitmask, start, row_drafts)
                     masked += range(start, start + valid[index] + 1)
+            and_rows(bitmask, list(anded.values()), len(masked))
             self._mask(logits, bitmask, masked)
         return logits, valid
 
@@ -101,6 +112,8 @@ class LogitConstraints:
             from workers.structured.mask_kernel import apply_token_bitmask
 
             words, index = packed_words(bitmask, rows, self.device)
+            self.copied = torch.cuda.Event()
+            self.copied.record()
             apply_token_bitmask(logits, words, index)
             return
         if len(rows) == logits.shape[0]:
@@ -115,6 +128,20 @@ class LogitConstraints:
             logits.masked_fill_(refused, float("-inf"))
         else:
             logits[index] = logits[index].masked_fill(refused, float("-inf"))
+
+
+def and_rows(bitmask: torch.Tensor, groups: list[tuple[torch.Tensor, list[int]]],
+             num_masked: int) -> None:
+    """Each group's rows ANDed with its row of words. One group holding every masked row
+    (every row under JSON schemas, the usual batch) is ANDed over the whole buffer in place:
+    ~40 us for 64 rows of a 128k vocabulary, where a row at a time takes 5-25 us each and an
+    indexed gather and scatter ~1.5 ms (the other rows are not masked: their words are unread)."""
+    for and_row, rows in groups:
+        if len(rows) == num_masked:
+            bitmask &= and_row
+        else:
+            for row in rows:
+                bitmask[row] &= and_row
 
 
 def packed_words(bitmask: torch.Tensor, rows: list[int],

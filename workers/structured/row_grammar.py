@@ -38,14 +38,17 @@ class RowGrammar:
             self.num_accepted += 1
         return None
 
-    def fill(self, bitmask: torch.Tensor, row: int) -> None:
-        """Row ``row`` of ``bitmask`` (int32, one bit a token) to the tokens allowed next."""
+    def fill(self, bitmask: torch.Tensor, row: int, and_row: bool = True) -> bool:
+        """Row ``row`` of ``bitmask`` (int32, one bit a token) to the tokens allowed next.
+        Returns whether the grammar filled it (not only the stop tokens); then, with
+        ``and_row`` False, the caller ANDs ``self.and_row`` in (one op for many rows)."""
         if self.failed is not None or self.matcher.is_terminated():
             self._stops_only(bitmask, row)
-            return
+            return False
         self.matcher.fill_next_token_bitmask(bitmask, row)
-        if self.and_row is not None:
+        if and_row and self.and_row is not None:
             bitmask[row] &= self.and_row
+        return True
 
     def fill_drafts(self, bitmask: torch.Tensor, first_row: int, drafts: Sequence[int]) -> int:
         """Fills rows first_row .. first_row + len(drafts): row j allows what may follow the
