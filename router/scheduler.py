@@ -176,7 +176,9 @@ class Scheduler:
         needed = 1  # the most tokens any sequence wants
         least_room = self.config.max_model_len  # the fewest tokens the model's length allows
         riders = 0  # sequences that keep one token of the call (module doc)
+        masked = False  # a grammar's row: no lookahead step
         for seq in running:
+            masked = masked or seq.masks_each_token
             if seq.num_tokens - seq.num_computed_tokens != 1 or (
                     seq.needs_single_steps and not seq.samples_one_at_a_time):
                 return 1, False  # a prefill, or drafts to verify
@@ -198,9 +200,9 @@ class Scheduler:
                        for s in running) <= free
 
         # someone goes on past the call (steps < needed), everyone has a slot for a step more;
-        # not with riders, whose next token is not the call's last
+        # not with riders, whose next token is not the call's last, nor a grammar's rows
         looks_ahead = self.config.decode_lookahead and 1 < steps < min(needed, least_room) \
-            and not riders
+            and not riders and not masked
         if looks_ahead and fits(steps + 1):
             return steps, True
         return (steps, False) if fits(steps) else (1, False)

@@ -79,17 +79,25 @@ class Sequence:
     def needs_single_steps(self) -> bool:
         """Each step's sampling reads what the step before gave: penalties read the history,
         min_tokens masks the stop tokens until the output is long enough, and drafts are
-        verified in a step of their own; a grammar's mask needs the token before it."""
+        verified in a step of their own. (A grammar's mask needs the token before it too, but
+        the sampling worker reads each step's tokens during a call: ``masks_each_token``.)"""
         return self.samples_one_at_a_time or bool(self.spec_token_ids) or \
             self.num_model_drafts > 0
 
     @property
     def samples_one_at_a_time(self) -> bool:
-        """Its next token's sampling reads the token before it (penalties, min_tokens, a
-        grammar): in a call of several decode steps it keeps the first step's token alone
+        """Its next token's sampling reads the token before it (penalties, min_tokens): in a
+        call of several decode steps it keeps the first step's token alone
         (router/scheduler.py, the rows that ride along)."""
-        return (self.params.uses_history or self.num_output_tokens < self.params.min_tokens
-                or self.params.structured_outputs is not None)
+        return self.params.uses_history or self.num_output_tokens < self.params.min_tokens
+
+    @property
+    def masks_each_token(self) -> bool:
+        """A grammar masks its every token: the sampling worker reads each step's tokens in a
+        call of several steps and fills the next mask while the next forward runs
+        (workers/worker.py), so its row keeps every step's token; no lookahead step follows
+        such a call (its mask would need the call's last token)."""
+        return self.params.structured_outputs is not None
 
     @property
     def is_finished(self) -> bool:

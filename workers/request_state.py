@@ -66,13 +66,20 @@ class RequestState:
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens :]
 
+    def add_read(self, token_id: int) -> None:
+        """A token sampled earlier in this call, read by the sampling worker for its grammar
+        (workers/worker.py): held as a placeholder, which the next step message writes
+        over with the same token."""
+        self.add_placeholder()
+        self.token_ids[-1] = token_id
+
     @property
     def needs_single_steps(self) -> bool:
-        """Sampling reads every token before (penalties), masks stops until min_tokens, or
-        masks by a grammar that must see each token before the next mask."""
+        """Sampling reads every token before (penalties) or masks stops until min_tokens: in
+        a call of several steps its later samples are not kept. (A grammar's row reads its
+        tokens during the call instead: ``add_read``.)"""
         num_output = len(self.token_ids) - self.num_prompt_tokens
-        return (self.spec.uses_history or num_output < self.spec.min_tokens
-                or self.grammar is not None)
+        return self.spec.uses_history or num_output < self.spec.min_tokens
 
     def generator_for_next_token(self, offset: int = 0) -> torch.Generator | None:
         """The seeded generator, reseeded from (seed, output index); ``offset`` counts tokens

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from workers.attention.key_centers import centers_digest, key_centers_for
+from workers.call_tokens import CallTokens
 from workers.deferred_tokens import (
     DeferredTokens,
     check_deferrable,
@@ -409,9 +410,14 @@ class Worker:
         first = build_decode_rows(scheduled, self.states, self.config.block_size)
         if first is None:
             raise ValueError("num_steps > 1 needs a step where every sequence decodes")
-        if run_lookahead and any(self.states[r].needs_single_steps for r in first.request_ids):
+        states = [self.states[r] for r in first.request_ids]
+        if run_lookahead and any(s.needs_single_steps or s.grammar is not None for s in states):
             raise ValueError("a lookahead step cannot follow a row whose sampling needs every "
                              "token (penalties, min_tokens, a grammar)")
+        # the driver reads each step's tokens for the rows with a grammar while the next
+        # forward runs, so their next mask sees them (workers/call_tokens.py)
+        reads = CallTokens(states) if self.is_driver and any(
+            s.grammar is not None for s in states) else None
         if run_lookahead:
             check_lookahead_slots(first, num_steps, self.states, self.config.block_size)
         tokens: torch.Tensor | None = None  # (B,) on the device: the last step's samples
@@ -423,6 +429,8 @@ class Worker:
             start = 1
             if taken is not None:
                 outputs.append(taken)
+                if reads is not None:
+                    reads.start(taken.token_ids)
         total = num_steps + 1 if run_lookahead else num_steps
         read: PendingRead | None = None
         for index in range(start, total):
@@ -433,8 +441,12 @@ class Worker:
             rows = first.advanced(index, self.config.block_size) if index else first
             logits = self.model.compute_logits(self._forward_decode(rows, tokens))  # collective
             if self.is_driver:
+                if reads is not None and index:
+                    reads.finish()  # the step before's tokens into the grammar rows' states
                 outputs.append(self._sample(rows.request_ids, logits, offset=index))
                 tokens = outputs[-1].token_ids
+                if reads is not None and index + 1 < total:
+                    reads.start(tokens)
             # every rank feeds the next step (the lookahead's: the next call's second)
             if index + 1 < total or run_lookahead:
                 tokens = self._from_driver(tokens, len(rows.request_ids))
@@ -512,7 +524,8 @@ class Worker:
         constraints = self._constraints_for(states)
         if constraints is not None:
             # past a call's first step a row that needs every token keeps none of its samples
-            # (router/scheduler.py): its grammar, a step behind, is not asked
+            # (router/scheduler.py): its history, a step behind, is not asked; a grammar's
+            # row holds the call's tokens so far (CallTokens)
             masked = states if offset == 0 else [None if s.needs_single_steps else s
                                                  for s in states]
             logits, _ = constraints.apply(logits, masked)
@@ -521,7 +534,9 @@ class Worker:
             [state.spec for state in states],
             TokenHistory(states, lambda state: state.prompt_token_ids),
             TokenHistory(states, lambda state: state.output_token_ids),
-            [state.generator_for_next_token(offset) for state in states],
+            # a grammar's row holds the call's tokens so far: its next one is its own
+            [state.generator_for_next_token(0 if state.grammar is not None else offset)
+             for state in states],
         )
 
     def _constraints_for(self, states: list[RequestState]) -> "LogitConstraints | None":

@@ -1,6 +1,7 @@
-"""Rows whose sampling must see each token before the next (penalties, a grammar) ride along
-in calls of several decode steps, keeping their first token alone: every row's tokens are
-those of one step a call, and the other rows keep their several steps."""
+"""Rows whose sampling must see each token before the next on the host (penalties, min_tokens)
+ride along in calls of several decode steps, keeping their first token alone; a grammar's
+rows keep every step's token (the worker reads each during the call and masks the next).
+Either way every row's tokens are those of one step a call."""
 
 import re
 
@@ -46,40 +47,50 @@ def test_penalized_rows_alone_run_one_step_a_call(tiny_models):
     assert {steps for steps, _, _ in calls} == {1}
 
 
-def test_grammar_rows_ride_along_and_still_follow_their_grammar(tiny_chat_model):
+def test_grammar_rows_keep_every_step_of_a_multi_step_call(tiny_chat_model):
     """A grammar row decoding when a plain one joins: the calls after run 4 steps for both,
-    the grammar row keeping one token a call; its output follows the grammar and both are
-    the tokens of one step a call."""
+    then for the grammar row alone, none with a lookahead step; its output follows the
+    grammar, a seeded sampled choice is the one of one step a call, and every row's tokens
+    are those of one step a call."""
     from cluster.engine.config import EngineConfig
     from cluster.engine.llm_engine import LLMEngine
 
     pattern = r"\d{3}-\d{4}-\d{4}-\d{4}"
     structured = SamplingParams(temperature=0.0, max_tokens=40,
                                 structured_outputs={"regex": pattern})
+    sampled = SamplingParams(temperature=1.0, seed=3, max_tokens=40, structured_outputs={
+        "choice": ["alpha beta gamma delta", "one two three four five six"]})
     plain = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 
     def run_engine(decode_steps: int):  # type: ignore[no-untyped-def]
         engine = LLMEngine(EngineConfig(model=str(tiny_chat_model), device="cpu",
                                         dtype="float32", num_kv_blocks=256,
-                                        decode_steps=decode_steps))
+                                        decode_steps=decode_steps, decode_lookahead=True))
         execute, calls, texts = engine.executor.execute, [], {}
         engine.executor.execute = lambda step: calls.append(
-            (step.num_steps, len(step.scheduled))) or execute(step)
+            (step.num_steps, step.lookahead, len(step.scheduled))) or execute(step)
 
         def step() -> None:
             for out in engine.step():
                 texts[out.request_id] = (out.outputs[0].token_ids, out.outputs[0].text)
 
         first = engine.add_request("Phone number:", structured)
+        third = engine.add_request("Pick one:", sampled)
         while not any(seq.num_output_tokens for seq in engine.scheduler.running):
             step()  # its grammar compiled, its prompt computed: it decodes
         second = engine.add_request("Tell me a story:", plain)
         while engine.has_unfinished():
             step()
-        return texts[first], texts[second], calls
+        engine.scheduler.kv.check_integrity()
+        return texts[first], texts[second], texts[third], calls
 
-    (tokens, text), other, _ = run_engine(decode_steps=1)
-    (tokens4, text4), other4, calls = run_engine(decode_steps=4)
-    assert (tokens4, other4) == (tokens, other)
+    (tokens, text), other, choice, _ = run_engine(decode_steps=1)
+    (tokens4, text4), other4, choice4, calls = run_engine(decode_steps=4)
+    assert (tokens4, other4, choice4) == (tokens, other, choice)
     assert re.fullmatch(pattern, text)
-    assert (4, 2) in calls  # both rows in calls of four steps
+    assert choice[1] in sampled.structured_outputs.choice
+    # the grammar rows' prompts, the plain one's; then calls of four steps for every row,
+    # until the plain row and the choice end, and for the last grammar row alone; no
+    # lookahead step after a grammar's row
+    assert calls == [(1, False, 2), (1, False, 3), (4, False, 3), (4, False, 3), (4, False, 3),
+                     (4, False, 2), (4, False, 1)]
