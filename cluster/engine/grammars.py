@@ -8,6 +8,7 @@ else. The backend (and its ~3 s import) is loaded by the first request that need
 """
 
 import threading
+from collections import OrderedDict
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,6 +16,8 @@ from typing import Any
 
 from router.sequence import Sequence
 from router.structured_outputs import StructuredOutputs
+
+MAX_COMPILED = 256
 
 
 class GrammarViolation(Exception):
@@ -38,12 +41,21 @@ class GrammarCompiles:
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
         self.waiting: list[WaitingRequest] = []
+        # the specs compiled lately (a GrammarRef each, shared by their requests), newest last
+        self._compiled: OrderedDict[tuple[str, str, bool], Any] = OrderedDict()
 
     def add(self, request_id: str, structured: StructuredOutputs,
             sequences: list[Sequence]) -> None:
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tandem-grammar")
-        future = self._pool.submit(self._compile, structured)
+        compiled = self._compiled.get(structured.key)
+        if compiled is not None:  # no trip through the pool: it joins in this very step
+            self._compiled.move_to_end(structured.key)
+            future: Future[Any] = Future()
+            future.set_result(compiled)
+        else:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(max_workers=2,
+                                                thread_name_prefix="tandem-grammar")
+            future = self._pool.submit(self._compile, structured)
         self.waiting.append(WaitingRequest(request_id, sequences, future))
 
     def _compile(self, structured: StructuredOutputs) -> Any:
@@ -53,7 +65,12 @@ class GrammarCompiles:
 
                 self._compiler = GrammarCompiler(self.tokenizer, self.vocab_size,
                                                  self.stop_ids, self.folder)
-        return self._compiler.compile(structured)
+        compiled = self._compiler.compile(structured)
+        with self._lock:
+            self._compiled[structured.key] = compiled
+            if len(self._compiled) > MAX_COMPILED:
+                self._compiled.popitem(last=False)
+        return compiled
 
     def ready(self) -> list[tuple[WaitingRequest, Any, BaseException | None]]:
         """The waiting requests whose grammar is done: (request, grammar, error), in order."""
