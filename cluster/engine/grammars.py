@@ -46,9 +46,11 @@ class GrammarCompiles:
 
     def add(self, request_id: str, structured: StructuredOutputs,
             sequences: list[Sequence]) -> None:
-        compiled = self._compiled.get(structured.key)
+        with self._lock:  # the pool's threads add to it
+            compiled = self._compiled.get(structured.key)
+            if compiled is not None:
+                self._compiled.move_to_end(structured.key)
         if compiled is not None:  # no trip through the pool: it joins in this very step
-            self._compiled.move_to_end(structured.key)
             future: Future[Any] = Future()
             future.set_result(compiled)
         else:
