@@ -43,10 +43,11 @@ class GrammarCompiles:
         self.waiting: list[WaitingRequest] = []
         # the specs compiled lately (a GrammarRef each, shared by their requests), newest last
         self._compiled: OrderedDict[tuple[str, str, bool], Any] = OrderedDict()
+        self._cache_lock = threading.Lock()  # not _lock: that one is held while tables build
 
     def add(self, request_id: str, structured: StructuredOutputs,
             sequences: list[Sequence]) -> None:
-        with self._lock:  # the pool's threads add to it
+        with self._cache_lock:  # the pool's threads add to it
             compiled = self._compiled.get(structured.key)
             if compiled is not None:
                 self._compiled.move_to_end(structured.key)
@@ -68,7 +69,7 @@ class GrammarCompiles:
                 self._compiler = GrammarCompiler(self.tokenizer, self.vocab_size,
                                                  self.stop_ids, self.folder)
         compiled = self._compiler.compile(structured)
-        with self._lock:
+        with self._cache_lock:
             self._compiled[structured.key] = compiled
             if len(self._compiled) > MAX_COMPILED:
                 self._compiled.popitem(last=False)
