@@ -13,10 +13,16 @@ from router.structured_outputs import StructuredOutputs
 SPEC = StructuredOutputs(regex=r"[0-9]{3}")
 
 
-def test_a_spec_compiled_before_is_ready_when_it_is_added(tiny_chat_model):
+@pytest.fixture
+def compiles(tiny_chat_model):
     tokenizer = load_tokenizer(tiny_chat_model)
     compiles = GrammarCompiles(tokenizer, tiny_chat_model, 49152,
                                eos_token_ids(tiny_chat_model, tokenizer))
+    yield compiles
+    compiles.shutdown()
+
+
+def test_a_spec_compiled_before_is_ready_when_it_is_added(compiles):
     compiles.add("a", SPEC, [])
     compiles.wait(60.0)
     ((first, ref, error),) = compiles.ready()
@@ -28,14 +34,9 @@ def test_a_spec_compiled_before_is_ready_when_it_is_added(tiny_chat_model):
     compiles.add("c", StructuredOutputs(regex=r"[a-z]{2}"), [])  # another spec: compiled
     compiles.wait(60.0)
     assert compiles.ready()[0][1] is not ref
-    compiles.shutdown()
 
 
-def test_a_grammar_is_serialized_once_for_every_request_of_its_spec(tiny_chat_model,
-                                                                     monkeypatch):
-    tokenizer = load_tokenizer(tiny_chat_model)
-    compiles = GrammarCompiles(tokenizer, tiny_chat_model, 49152,
-                               eos_token_ids(tiny_chat_model, tokenizer))
+def test_a_grammar_is_serialized_once_for_every_request_of_its_spec(compiles):
     compiles.add("a", SPEC, [])
     compiles.wait(60.0)
     ((_, ref, _),) = compiles.ready()
@@ -44,7 +45,6 @@ def test_a_grammar_is_serialized_once_for_every_request_of_its_spec(tiny_chat_mo
     assert pickle.dumps(ref) == first
     rebuilt = pickle.loads(first)
     assert rebuilt.key == SPEC.key and rebuilt.compiled is not None
-    compiles.shutdown()
 
 
 def test_a_spec_checked_before_is_not_built_again(monkeypatch):
