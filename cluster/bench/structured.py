@@ -119,9 +119,9 @@ def ttft_added(llm, prompts: list[list[int]]) -> dict:  # type: ignore[no-untype
 def cold_compiles(folder: Path, vocab_size: int) -> dict:
     """Each spec of the test corpus compiled by a compiler with an empty cache."""
     from cluster.bench.engine_runs import percentiles
+    from cluster.bench.structured_corpus import corpus
     from cluster.engine.tokenizer import eos_token_ids, load_tokenizer
     from workers.structured.backend import GrammarCompiler
-    from workers.structured.corpus import corpus
 
     tokenizer = load_tokenizer(folder)
     start = time.perf_counter()

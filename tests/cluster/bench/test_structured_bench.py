@@ -5,8 +5,8 @@ grammar adds and the corpus's cold compiles."""
 import json
 
 from cluster.bench.structured import MIN_ITEMS, SCHEMA, with_tokenizer
+from cluster.bench.structured_corpus import corpus
 from cluster.cli.main import main
-from workers.structured.corpus import corpus
 
 
 def test_rows_under_a_schema_beside_the_same_rows_unconstrained(tiny_models, tmp_path):

@@ -76,6 +76,8 @@ def test_grammar_rows_keep_every_step_of_a_multi_step_call(tiny_chat_model):
 
         first = engine.add_request("Phone number:", structured)
         third = engine.add_request("Pick one:", sampled)
+        while not all(w.grammar.done() for w in engine.grammars.waiting):
+            engine.grammars.wait(5.0)  # both join in one step, whatever the pool's timing
         while not any(seq.num_output_tokens for seq in engine.scheduler.running):
             step()  # its grammar compiled, its prompt computed: it decodes
         second = engine.add_request("Tell me a story:", plain)

@@ -12,12 +12,12 @@ import torch
 import xgrammar as xgr
 from transformers import AutoTokenizer
 
+from cluster.bench.structured_corpus import OTHERS, SCHEMAS
 from router.structured_outputs import StructuredOutputs
 from workers.catalog import DEFAULT_MODEL, model_path
 from workers.request_state import RequestState
 from workers.sampler import Sampler, SamplingSpec
 from workers.structured.backend import GrammarCompiler
-from workers.structured.corpus import OTHERS, SCHEMAS
 from workers.structured.masks import LogitConstraints
 from workers.structured.row_grammar import RowGrammar
 
