@@ -81,6 +81,7 @@ def test_async_scheduling_runs_constrained_and_penalized_rows_ahead_with_the_sam
     for blocks in (256, 6):  # 6: someone is preempted with a token in flight
         ahead = LLM(DEFAULT_MODEL, device="cpu", dtype="float32", block_size=16,
                     num_kv_blocks=blocks, async_scheduling=True, enable_prefix_caching=False)
+        ahead.generate(prompts[:2], params[:2])  # compiled before: both join in one step
         deferred = []
         execute = ahead.engine.executor.execute
 
