@@ -17,8 +17,11 @@ from workers.request_state import RequestState
 
 class CallTokens:
     def __init__(self, states: list[RequestState]) -> None:
+        # a grammar's rows that keep every token of the call (not those riding along for
+        # their penalties or min_tokens, whose later tokens the engine drops)
         self.rows = [(row, state) for row, state in enumerate(states)
-                     if state.grammar is not None]
+                     if state.grammar is not None and not state.needs_single_steps]
+        self.request_ids = {state.request_id for _, state in self.rows}
         self.host: torch.Tensor | None = None
         self.copied: torch.cuda.Event | None = None
 

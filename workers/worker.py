@@ -5,6 +5,7 @@ The same class runs in the engine's process (one device) and inside a Ray actor 
 """
 
 import time
+from collections.abc import Set as AbstractSet
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -418,6 +419,7 @@ class Worker:
         # forward runs, so their next mask sees them (workers/call_tokens.py)
         reads = CallTokens(states) if self.is_driver and any(
             s.grammar is not None for s in states) else None
+        current = reads.request_ids if reads is not None else frozenset()
         if run_lookahead:
             check_lookahead_slots(first, num_steps, self.states, self.config.block_size)
         tokens: torch.Tensor | None = None  # (B,) on the device: the last step's samples
@@ -443,7 +445,8 @@ class Worker:
             if self.is_driver:
                 if reads is not None and index:
                     reads.finish()  # the step before's tokens into the grammar rows' states
-                outputs.append(self._sample(rows.request_ids, logits, offset=index))
+                outputs.append(self._sample(rows.request_ids, logits, offset=index,
+                                            current=current))
                 tokens = outputs[-1].token_ids
                 if reads is not None and index + 1 < total:
                     reads.start(tokens)
@@ -514,9 +517,10 @@ class Worker:
         plain_out = read.result() if read is not None else None
         return merge_outputs(request_ids, plain, plain_out, spec, pending.result())
 
-    def _sample(self, request_ids: list[str], logits: torch.Tensor,
-                offset: int = 0) -> SamplerOutput:
-        """Samples each row's next token (``offset`` tokens past what the state holds), on the
+    def _sample(self, request_ids: list[str], logits: torch.Tensor, offset: int = 0,
+                current: AbstractSet[str] = frozenset()) -> SamplerOutput:
+        """Samples each row's next token (``offset`` tokens past what the state holds, but
+        for the rows in ``current``, whose states hold the call's tokens so far), on the
         device: nothing is read back here."""
         states = [self.states[request_id] for request_id in request_ids]
         if offset == 0 and any(s.num_placeholders and reads_own_tokens(s) for s in states):
@@ -534,8 +538,7 @@ class Worker:
             [state.spec for state in states],
             TokenHistory(states, lambda state: state.prompt_token_ids),
             TokenHistory(states, lambda state: state.output_token_ids),
-            # a grammar's row holds the call's tokens so far: its next one is its own
-            [state.generator_for_next_token(0 if state.grammar is not None else offset)
+            [state.generator_for_next_token(0 if state.request_id in current else offset)
              for state in states],
         )
 

@@ -13,9 +13,11 @@ PENALIZED = SamplingParams(temperature=0.0, max_tokens=20, repetition_penalty=1.
                            presence_penalty=0.4)
 
 
-def run(folder, prompts, params, decode_steps: int):  # type: ignore[no-untyped-def]
+def run(folder, prompts, params, decode_steps: int, warm=()):  # type: ignore[no-untyped-def]
     llm = LLM(str(folder), device="cpu", dtype="float32", block_size=4, num_kv_blocks=256,
               decode_steps=decode_steps, decode_lookahead=True)
+    for warm_params in warm:  # a grammar compiled before joins its batch's first step
+        llm.generate(prompts[:1], warm_params)
     execute, calls = llm.engine.executor.execute, []
 
     def counting(step):  # type: ignore[no-untyped-def]
@@ -96,3 +98,19 @@ def test_grammar_rows_keep_every_step_of_a_multi_step_call(tiny_chat_model):
     # lookahead step after a grammar's row
     assert calls == [(1, False, 2), (1, False, 3), (4, False, 3), (4, False, 3), (4, False, 3),
                      (4, False, 2), (4, False, 1)]
+
+
+def test_a_grammar_row_with_penalties_rides_along_and_keeps_its_grammar(tiny_chat_model):
+    """A row with both: its penalties make it ride along (its first token of each call kept),
+    and its matcher sees exactly the tokens kept, so later calls mask from the right state."""
+    pattern = r"[a-c]{6}-[0-9]{6}"
+    both = SamplingParams(temperature=0.0, max_tokens=30, repetition_penalty=1.3,
+                          structured_outputs={"regex": pattern})
+    plain = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    prompts = ["Code:", "Tell me a story:"]
+    one_step, _ = run(tiny_chat_model, prompts, [both, plain], 1, warm=[both])
+    several, calls = run(tiny_chat_model, prompts, [both, plain], 4, warm=[both])
+    assert several == one_step
+    assert (4, False, 2) in calls  # the plain row's four steps, the other's first kept
+    llm = LLM(str(tiny_chat_model), device="cpu", dtype="float32", num_kv_blocks=64)
+    assert re.fullmatch(pattern, llm.generate(["Code:"], both)[0].outputs[0].text)
