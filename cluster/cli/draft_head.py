@@ -24,8 +24,10 @@ def add_draft_head_command(subparsers: argparse._SubParsersAction) -> None:
     train.add_argument("--ttt-steps", type=int, default=3,
                        help="training-time test steps (the drafts a chain learns)")
     train.add_argument("--lr", type=float, default=3e-4)
-    train.add_argument("--pack-tokens", type=int, default=2048,
-                       help="tokens a training step: answers packed end to end up to this")
+    train.add_argument("--pack-tokens", type=int, default=256,
+                       help="tokens a training step: answers packed end to end up to this "
+                       "(default %(default)s, about one answer: 2,048 made ten times fewer "
+                       "steps at the same --lr and a worse head, docs/experiments.md)")
     train.add_argument("--draft-vocab", type=int, default=8192,
                        help="the head's vocabulary: the answers' most frequent tokens")
     train.add_argument("--init", help="a head this command wrote: train it further (its "
