@@ -12,6 +12,7 @@ placeholders.
 
 import torch
 
+from workers.pending import copied_event, to_host
 from workers.request_state import RequestState
 
 
@@ -27,13 +28,7 @@ class CallTokens:
 
     def start(self, tokens: torch.Tensor) -> None:
         """The copy of a step's sampled tokens (B,), queued behind the sampling."""
-        if tokens.device.type == "cuda":
-            self.host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-            self.host.copy_(tokens, non_blocking=True)
-            self.copied = torch.cuda.Event()
-            self.copied.record()
-        else:
-            self.host, self.copied = tokens, None
+        self.host, self.copied = to_host(tokens), copied_event(tokens)
 
     def finish(self) -> None:
         """Each grammar row's token of the step whose copy was started last."""

@@ -523,7 +523,9 @@ class Worker:
         for the rows in ``current``, whose states hold the call's tokens so far), on the
         device: nothing is read back here."""
         states = [self.states[request_id] for request_id in request_ids]
-        if offset == 0 and any(s.num_placeholders and reads_own_tokens(s) for s in states):
+        # only a deferred step's rows hold a placeholder: no scan of the rows in other steps
+        if offset == 0 and self.previous_read is not None and any(
+                s.num_placeholders and reads_own_tokens(s) for s in states):
             read_own_tokens(states, self._read_previous())  # while the forward runs
         constraints = self._constraints_for(states)
         if constraints is not None:

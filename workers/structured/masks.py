@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from workers.pending import copied_event
 from workers.request_state import RequestState
 
 BITS = 32
@@ -112,8 +113,7 @@ class LogitConstraints:
             from workers.structured.mask_kernel import apply_token_bitmask
 
             words, index = packed_words(bitmask, rows, self.device)
-            self.copied = torch.cuda.Event()
-            self.copied.record()
+            self.copied = copied_event(words)
             apply_token_bitmask(logits, words, index)
             return
         if len(rows) == logits.shape[0]:
