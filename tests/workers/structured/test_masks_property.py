@@ -139,3 +139,29 @@ def test_logit_bias_is_added_before_the_mask_on_every_row_that_asks():
     out, _ = constraints.apply(logits, [biased, plain])
     assert out[0, 3].item() == 103.0 and out[0, 5].item() == -95.0
     assert torch.equal(out[1], logits[1]) and logits[0, 3].item() == 3.0  # input untouched
+
+
+def test_rows_filled_together_get_the_masks_each_gets_alone(tokenizer, compiler):
+    """The batch's grammar rows are filled in one call on xgrammar's threads: every row's
+    mask equals the one it gets alone, whatever its grammar and state (a failed row, a plain
+    row and padding among them)."""
+    kinds = [StructuredOutputs(json=SCHEMAS[0]), *OTHERS, StructuredOutputs(choice=("yes", "no"))]
+    compiled = [compiler.compile(kind) for kind in kinds]
+    outputs = [tokens for tokens, _ in (run(c, SPECS[1], 3) for c in compiled)]
+
+    def states():
+        rows = [RequestState([0, *out[: len(out) // 2]], 1, [], SPECS[0], None, f"r{i}",
+                             RowGrammar(c.compiled, c.and_row))
+                for i, (c, out) in enumerate(zip(compiled, outputs, strict=True))]
+        rows[-1].token_ids.append(17)  # refused by ("yes", "no"): the row fails
+        return [*rows, RequestState([0], 1, [], SPECS[0], None, "plain"), None]
+
+    logits = torch.randn(len(kinds) + 2, VOCAB, generator=torch.Generator().manual_seed(0))
+    together, _ = LogitConstraints(VOCAB, torch.device("cpu")).apply(logits, states())
+    for row, state in enumerate(states()):
+        alone, _ = LogitConstraints(VOCAB, torch.device("cpu")).apply(logits[row:row + 1],
+                                                                      [state])
+        assert torch.equal(together[row], alone[0]), f"row {row}"
+    allowed = (together > float("-inf")).sum(dim=1).tolist()
+    assert allowed[-3] == 1 and allowed[-2:] == [VOCAB, VOCAB]  # failed: the stop alone
+    assert all(0 < count < VOCAB for count in allowed[:-3])
