@@ -70,16 +70,17 @@ def allocate_kv_caches(
     elif len(key_centers) != num_layers(config):
         raise ValueError(f"{len(key_centers)} key centers for {num_layers(config)} layers")
 
-    def layer(center: torch.Tensor | None) -> LayerKVCache:
-        k, v = (torch.zeros(shape, dtype=elements, device=device) for _ in range(2))
-        if not fmt.quantized:
-            return LayerKVCache(k, v)
-        k_scale, v_scale = (torch.zeros(shape[:3], dtype=SCALE_DTYPE, device=device)
-                            for _ in range(2))
-        return LayerKVCache(k, v, k_scale, v_scale, rotation,
-                            None if center is None else center.to(dtype=dtype, device=device))
-
-    return [layer(center) for center in key_centers]
+    # each kind one tensor over every layer, a layer's cache a view of it: the host tier
+    # moves a batch of blocks of all layers in one gather (workers/block_copies.py)
+    layers = len(key_centers)
+    k, v = (torch.zeros((layers, *shape), dtype=elements, device=device) for _ in range(2))
+    if not fmt.quantized:
+        return [LayerKVCache(k[i], v[i]) for i in range(layers)]
+    k_scale, v_scale = (torch.zeros((layers, *shape[:3]), dtype=SCALE_DTYPE, device=device)
+                        for _ in range(2))
+    return [LayerKVCache(k[i], v[i], k_scale[i], v_scale[i], rotation,
+                         None if center is None else center.to(dtype=dtype, device=device))
+            for i, center in enumerate(key_centers)]
 
 
 def unquantized(dtype: torch.dtype) -> KVFormat:

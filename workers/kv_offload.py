@@ -6,9 +6,10 @@ back to back (``BlockLayout``), so a block is one contiguous run of bytes: one m
 from the device per run of consecutive slots, and one write or read of its file.
 
 On a GPU the slots are pinned memory and the copies run on two CUDA streams of their own,
-batched through a device staging buffer (one gather or scatter per cache tensor for the whole
-batch): loads (host -> device) on a high-priority stream, so that a sequence waiting for its
-blocks never queues behind write-through traffic, and stores (device -> host) on the other.
+batched through a device staging buffer (one gather or scatter per kind of cache tensor over
+every layer for the whole batch: workers/block_copies.py): loads (host -> device) on a
+high-priority stream, so that a sequence waiting for its blocks never queues behind
+write-through traffic, and stores (device -> host) on the other.
 Where a load and a store share a slot or a block, the later one's stream waits for the earlier
 one's copy (``_order_after``).
 The step never waits for a copy, with two exceptions, each a wait of the compute stream on the
@@ -47,6 +48,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvstore.transfers import BlockLoad, HostImport, KVTransfers, TransferReport
+from workers.block_copies import BlockCopies
 from workers.disk_transfers import DiskTransfers
 from workers.host_layout import BlockLayout, OffloadInfo
 from workers.layers.parallel import TensorParallelGroup
@@ -57,8 +59,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# blocks per batch through a device staging buffer: each batch costs a kernel per cache tensor
-# (two a layer), so larger batches spend less of a copy on launches; two buffers of this
+# blocks per batch through a device staging buffer: each batch costs a kernel per kind of cache
+# tensor, so larger batches spend less of a copy on launches; two buffers of this
 STAGE_BLOCKS = 64
 LOAD, STORE = "load", "store"  # the two copy streams
 LOAD_PRIORITY = -1  # CUDA: lower is sooner; the stores' stream keeps the default, 0
@@ -106,7 +108,7 @@ class KVOffloader:
         self.stages = {kind: torch.empty((stage_blocks, self.layout.block_bytes),
                                          dtype=torch.uint8, device=self.device)
                        for kind in (LOAD, STORE)}
-        self.stage_views = self.layout.views(self.stages[LOAD], tensors)
+        self.copies = BlockCopies(tensors, self.layout)  # one kernel a kind of all layers
         directory = Path(disk_dir) / self.layout.tag if disk_dir else None
         self.disk = DiskTransfers(directory, self.layout.tag, self.host, tp, self.device)
         self._disk_step = False  # this step carried disk copies: agree on a failed write
@@ -214,7 +216,7 @@ class KVOffloader:
 
     def _store(self, pairs: list[tuple[int, int]]) -> None:
         """(device block, host slot) copies, device to host, in batches through the staging
-        buffer: one gather per cache tensor, then one copy per run of consecutive slots."""
+        buffer: one gather per kind of cache tensor, then one copy per run of consecutive slots."""
         pairs = sorted(pairs, key=lambda pair: pair[1])
         stage = self.stages[STORE]
         for start in range(0, len(pairs), self.stage_blocks):
@@ -224,9 +226,7 @@ class KVOffloader:
                 self.disk.reuse(slot)
             n = len(chunk)
             with self._on_copy_stream(STORE, set(blocks), set(slots)), self._timed(n):
-                block_index = self._to_device(blocks)
-                torch.cat([t.index_select(0, block_index).view(n, -1).view(torch.uint8)
-                           for t in self.tensors], dim=1, out=stage[:n])
+                self.copies.gather(self._to_device(blocks), stage[:n])
                 for slot, row, count in _runs(slots):
                     self.host[slot:slot + count].copy_(stage[row:row + count],
                                                        non_blocking=True)
@@ -261,7 +261,8 @@ class KVOffloader:
     def _load(self, load: BlockLoad, failed_slots: set[int],
               in_flight: set[int] | None = None) -> _PendingLoad:
         """Host slots to device blocks, up to the first slot whose file was refused: one copy
-        per run of consecutive slots into the staging buffer, one scatter per cache tensor."""
+        per run of consecutive slots into the staging buffer, one scatter per kind of cache
+        tensor."""
         num_ok = next((i for i, slot in enumerate(load.host_slots) if slot in failed_slots),
                       len(load.host_slots))
         pairs = sorted(zip(load.host_slots[:num_ok], load.block_ids[:num_ok], strict=True))
@@ -277,9 +278,7 @@ class KVOffloader:
                 for slot, row, count in _runs(slots):
                     stage[row:row + count].copy_(self.host[slot:slot + count],
                                                  non_blocking=True)
-                block_index = self._to_device(blocks)
-                for view, tensor in zip(self.stage_views, self.tensors, strict=True):
-                    tensor.index_copy_(0, block_index, view[:n])
+                self.copies.scatter(self._to_device(blocks), stage[:n])
                 event = self._record(LOAD, loads_into=set(blocks), slots=set(slots))
         return _PendingLoad(load.request_id, num_ok, event)
 

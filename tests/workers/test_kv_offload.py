@@ -81,12 +81,28 @@ def round_trip_through_the_host(kv):
                                                  strict=True))
     # the blocks not loaded into stay as they were (zero)
     assert all(not bits(t[[0, 2, 3, 5, 7]]).any() for t in tensors)
+    return len(offloader.copies.groups)
 
 
-def test_device_to_host_to_device_is_bit_exact_for_every_cache_dtype():
+def stacked(kv):
+    """The same caches as the engine allocates them: each kind one tensor over the layers."""
+    def stack(kind):
+        tensors = [getattr(layer, kind) for layer in kv]
+        return None if tensors[0] is None else torch.stack(tensors)
+
+    k, v, k_scale, v_scale = (stack(kind) for kind in ("k", "v", "k_scale", "v_scale"))
+    return [LayerKVCache(k[i], v[i], None if k_scale is None else k_scale[i],
+                         None if v_scale is None else v_scale[i]) for i in range(len(kv))]
+
+
+@pytest.mark.parametrize("layout", [list, stacked], ids=["per-layer", "stacked"])
+def test_device_to_host_to_device_is_bit_exact_for_every_cache_dtype(layout):
+    one_each = layout is list  # else a gather per kind over both layers
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
-        round_trip_through_the_host(caches(dtype, seed=1))
-    round_trip_through_the_host(caches(torch.int8, seed=2, scales=True))
+        assert round_trip_through_the_host(layout(caches(dtype, seed=1))) == (
+            4 if one_each else 2)
+    assert round_trip_through_the_host(layout(caches(torch.int8, seed=2, scales=True))) == (
+        8 if one_each else 4)
 
 
 def test_more_blocks_than_a_staging_batch_in_scattered_slots_round_trip_exactly():

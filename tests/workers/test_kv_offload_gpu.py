@@ -17,7 +17,24 @@ from workers.layers.parallel import TensorParallelGroup
 SINGLE = TensorParallelGroup.single()
 
 
-def gpu_caches(dtype, num_blocks=64, layers=4, scales=False, shape=(16, 4, 64)):
+def gpu_caches(dtype, num_blocks=64, layers=4, scales=False, shape=(16, 4, 64), stacked=True):
+    """Random caches; ``stacked``: each kind one tensor over the layers, as the engine
+    allocates them (workers/kv_cache.py), else a tensor a layer."""
+    caches = separate_caches(dtype, num_blocks, layers, scales, shape)
+    return stacked_caches(caches) if stacked else caches
+
+
+def stacked_caches(kv):
+    def stack(kind):
+        tensors = [getattr(layer, kind) for layer in kv]
+        return None if tensors[0] is None else torch.stack(tensors)
+
+    k, v, k_scale, v_scale = (stack(kind) for kind in ("k", "v", "k_scale", "v_scale"))
+    return [LayerKVCache(k[i], v[i], None if k_scale is None else k_scale[i],
+                         None if v_scale is None else v_scale[i]) for i in range(len(kv))]
+
+
+def separate_caches(dtype, num_blocks, layers, scales, shape):
     generator = torch.Generator(device="cuda").manual_seed(0)
     full = (num_blocks, *shape)
 
@@ -45,11 +62,14 @@ def run(offloader, transfers, touched=(), written=()):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("stacked", [True, False], ids=["stacked", "per-layer"])
 @pytest.mark.parametrize("kind", ["float32", "bfloat16", "float16", "int8+scales"])
-def test_device_host_device_and_disk_round_trips_are_bit_exact(kind, tmp_path):
+def test_device_host_device_and_disk_round_trips_are_bit_exact(kind, stacked, tmp_path):
     dtype = getattr(torch, kind.split("+")[0])
-    tensors = layer_tensors(gpu_caches(dtype, scales=kind == "int8+scales"))
+    tensors = layer_tensors(gpu_caches(dtype, scales=kind == "int8+scales", stacked=stacked))
     offloader = KVOffloader(tensors, num_slots=48, disk_dir=str(tmp_path), tp=SINGLE)
+    kinds = 4 if kind == "int8+scales" else 2
+    assert len(offloader.copies.groups) == (kinds if stacked else kinds * 4)
     assert offloader.host.is_pinned()
     blocks = list(range(0, 40))  # more than one staging batch, slots in two runs
     slots = list(range(40, 48)) + list(range(0, 32))
