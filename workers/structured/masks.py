@@ -9,14 +9,12 @@ one kernel applies them in place (workers/structured/mask_kernel.py).
 """
 
 from collections.abc import Sequence
-from typing import Any
 
 import numpy as np
 import torch
 
 from workers.pending import copied_event
 from workers.request_state import RequestState
-from workers.structured.row_grammar import BatchFill
 
 BITS = 32
 
@@ -33,7 +31,6 @@ class LogitConstraints:
         self.host = torch.empty(0, bitmask_words(vocab), dtype=torch.int32)
         self.shifts = torch.arange(BITS, dtype=torch.int32, device=device)
         self.broken: list[tuple[str, str]] = []  # rows whose output broke their grammar
-        self.batch_fill = BatchFill()
         # on a GPU: the host buffer's copy to the device (async scheduling fills the next
         # step's mask while a step runs; the buffer is written again only once it has left)
         self.copied: torch.cuda.Event | None = None
@@ -73,8 +70,6 @@ class LogitConstraints:
             bitmask = self.rows(logits.shape[0])
             masked: list[int] = []  # the rows a grammar masks; the others are left alone
             anded: dict[int, tuple[torch.Tensor, list[int]]] = {}  # and_row's id -> its rows
-            matchers: list[Any] = []  # filled together after the loop, into rows ``filled``
-            filled: list[int] = []
             for index, (start, state, row_drafts) in enumerate(spans):
                 grammar = state.grammar if state is not None else None
                 if grammar is None or state is None:
@@ -83,18 +78,14 @@ class LogitConstraints:
                 if broken is not None:
                     self.broken.append((state.request_id, broken))
                 if row_drafts is None:
-                    matcher = grammar.matcher_to_fill(bitmask, start)
-                    if matcher is not None:
-                        matchers.append(matcher)
-                        filled.append(start)
-                        if grammar.and_row is not None:
-                            anded.setdefault(id(grammar.and_row), (grammar.and_row, []))[
-                                1].append(start)
+                    if grammar.fill(bitmask, start, and_row=False) and (
+                            grammar.and_row is not None):
+                        anded.setdefault(id(grammar.and_row), (grammar.and_row, []))[1].append(
+                            start)
                     masked.append(start)
                 else:
                     valid[index] = grammar.fill_drafts(bitmask, start, row_drafts)
                     masked += range(start, start + valid[index] + 1)
-            self.batch_fill(bitmask, matchers, filled)
             and_rows(bitmask, list(anded.values()), len(masked))
             self._mask(logits, bitmask, masked)
         return logits, valid

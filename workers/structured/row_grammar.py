@@ -42,22 +42,13 @@ class RowGrammar:
         """Row ``row`` of ``bitmask`` (int32, one bit a token) to the tokens allowed next.
         Returns whether the grammar filled it (not only the stop tokens); then, with
         ``and_row`` False, the caller ANDs ``self.and_row`` in (one op for many rows)."""
-        matcher = self.matcher_to_fill(bitmask, row)
-        if matcher is None:
+        if self.failed is not None or self.matcher.is_terminated():
+            self._stops_only(bitmask, row)
             return False
-        matcher.fill_next_token_bitmask(bitmask, row)
+        self.matcher.fill_next_token_bitmask(bitmask, row)
         if and_row and self.and_row is not None:
             bitmask[row] &= self.and_row
         return True
-
-    def matcher_to_fill(self, bitmask: torch.Tensor, row: int) -> Any | None:
-        """The matcher whose next mask goes into row ``row``, for the caller to fill (many
-        rows at once: ``BatchFill``); None when the row is done with here: a failed or
-        ended grammar allows only the stop tokens."""
-        if self.failed is not None or self.matcher.is_terminated():
-            self._stops_only(bitmask, row)
-            return None
-        return self.matcher
 
     def fill_drafts(self, bitmask: torch.Tensor, first_row: int, drafts: Sequence[int]) -> int:
         """Fills rows first_row .. first_row + len(drafts): row j allows what may follow the
@@ -81,24 +72,3 @@ class RowGrammar:
         bitmask[row] = 0
         for token_id in self.matcher.stop_token_ids:
             bitmask[row, token_id // 32] |= 1 << (token_id % 32)
-
-
-class BatchFill:
-    """Many rows' masks in one call: xgrammar fills them on its own threads (half the cores),
-    where a row at a time costs the host ~10-40 us each, one after the other. Made on first
-    use (importing xgrammar only when a grammar is in use)."""
-
-    def __init__(self) -> None:
-        self.batch: Any = None
-
-    def __call__(self, bitmask: torch.Tensor, matchers: list[Any], rows: list[int]) -> None:
-        if len(matchers) == 1:
-            matchers[0].fill_next_token_bitmask(bitmask, rows[0])
-            return
-        if not matchers:
-            return
-        if self.batch is None:
-            import xgrammar as xgr
-
-            self.batch = xgr.BatchGrammarMatcher()
-        self.batch.batch_fill_next_token_bitmask(matchers, bitmask, rows)

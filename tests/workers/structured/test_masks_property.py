@@ -142,9 +142,8 @@ def test_logit_bias_is_added_before_the_mask_on_every_row_that_asks():
 
 
 def test_rows_filled_together_get_the_masks_each_gets_alone(tokenizer, compiler):
-    """The batch's grammar rows are filled in one call on xgrammar's threads: every row's
-    mask equals the one it gets alone, whatever its grammar and state (a failed row, a plain
-    row and padding among them)."""
+    """A batch's grammar rows: every row's mask equals the one it gets alone, whatever its
+    grammar and state (a failed row, a plain row and padding among them)."""
     kinds = [StructuredOutputs(json=SCHEMAS[0]), *OTHERS, StructuredOutputs(choice=("yes", "no"))]
     compiled = [compiler.compile(kind) for kind in kinds]
     outputs = [tokens for tokens, _ in (run(c, SPECS[1], 3) for c in compiled)]
