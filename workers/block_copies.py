@@ -28,8 +28,7 @@ class _Group:
 class BlockCopies:
     def __init__(self, tensors: list[torch.Tensor], layout: BlockLayout) -> None:
         self.block_bytes = layout.block_bytes
-        self.groups = [_Group(cache, offset, stride)
-                       for cache, offset, stride in _groups(tensors, layout)]
+        self.groups = _groups(tensors, layout)
 
     def gather(self, block_index: torch.Tensor, rows: torch.Tensor) -> None:
         """The blocks ``block_index`` (on the cache's device) into ``rows`` (the first
@@ -49,17 +48,17 @@ class BlockCopies:
                                rows.storage_offset() + group.offset)
 
 
-def _groups(tensors: list[torch.Tensor], layout: BlockLayout,
-            ) -> list[tuple[torch.Tensor, int, int]]:
-    """(cache bytes, first offset, stride) of each stacked tensor whose layers are all in the
-    list, in order, at a constant stride in the slot (the kinds of a layer interleave there);
-    then every other tensor alone."""
+def _groups(tensors: list[torch.Tensor], layout: BlockLayout) -> list[_Group]:
+    """A group for each stacked tensor whose layers are all in the list, in order, at a
+    constant stride in the slot (the kinds of a layer interleave there); then every other
+    tensor alone."""
     by_base: dict[int, list[int]] = {}  # id of a stacked tensor -> positions of its layers
     for position, tensor in enumerate(tensors):
         base = tensor._base
         if base is not None and base.is_contiguous() and base.dim() == tensor.dim() + 1:
             by_base.setdefault(id(base), []).append(position)
-    groups, grouped = [], set()
+    groups: list[_Group] = []
+    grouped: set[int] = set()
     for positions in by_base.values():
         base = tensors[positions[0]]._base
         assert base is not None
@@ -68,7 +67,7 @@ def _groups(tensors: list[torch.Tensor], layout: BlockLayout,
         if len(positions) == base.shape[0] and all(
                 _is_layer(tensors[position], base, layer) and offset == offsets[0] + layer * stride
                 for layer, (position, offset) in enumerate(zip(positions, offsets, strict=True))):
-            groups.append((_bytes(base), offsets[0], stride))
+            groups.append(_Group(_bytes(base), offsets[0], stride))
             grouped.update(positions)
     for position, tensor in enumerate(tensors):
         if position in grouped:
@@ -76,12 +75,13 @@ def _groups(tensors: list[torch.Tensor], layout: BlockLayout,
         if not tensor.is_contiguous():
             raise ValueError(f"cache tensor {position} of shape {tuple(tensor.shape)} is not "
                              "contiguous: its blocks cannot be copied as bytes")
-        groups.append((_bytes(tensor.unsqueeze(0)), layout.offsets[position], 0))
+        groups.append(_Group(_bytes(tensor.unsqueeze(0)), layout.offsets[position], 0))
     return groups
 
 
 def _is_layer(tensor: torch.Tensor, base: torch.Tensor, layer: int) -> bool:
-    return (tensor._base is base and tensor.shape == base.shape[1:]
+    """Whether ``tensor`` (a view of ``base``) is ``base[layer]``."""
+    return (tensor.shape == base.shape[1:]
             and tensor.stride() == base.stride()[1:]
             and tensor.data_ptr() == base.data_ptr() + layer * base.stride(0)
             * base.element_size())

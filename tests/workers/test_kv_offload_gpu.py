@@ -9,6 +9,7 @@ import torch
 
 from kvstore.block_hash import hash_block_tokens
 from kvstore.transfers import BlockLoad, DiskRead, DiskWrite, KVTransfers
+from tests.workers.test_kv_offload import stacked as stack_layers
 from workers.attention.layer_cache import LayerKVCache
 from workers.host_layout import layer_tensors
 from workers.kv_offload import KVOffloader
@@ -21,17 +22,7 @@ def gpu_caches(dtype, num_blocks=64, layers=4, scales=False, shape=(16, 4, 64), 
     """Random caches; ``stacked``: each kind one tensor over the layers, as the engine
     allocates them (workers/kv_cache.py), else a tensor a layer."""
     caches = separate_caches(dtype, num_blocks, layers, scales, shape)
-    return stacked_caches(caches) if stacked else caches
-
-
-def stacked_caches(kv):
-    def stack(kind):
-        tensors = [getattr(layer, kind) for layer in kv]
-        return None if tensors[0] is None else torch.stack(tensors)
-
-    k, v, k_scale, v_scale = (stack(kind) for kind in ("k", "v", "k_scale", "v_scale"))
-    return [LayerKVCache(k[i], v[i], None if k_scale is None else k_scale[i],
-                         None if v_scale is None else v_scale[i]) for i in range(len(kv))]
+    return stack_layers(caches) if stacked else caches
 
 
 def separate_caches(dtype, num_blocks, layers, scales, shape):
