@@ -12,6 +12,7 @@
    loads, and its mean accepted length is measured on questions it was not trained on.
 """
 
+import math
 import random
 import time
 from dataclasses import dataclass
@@ -134,11 +135,27 @@ def with_noise(features: torch.Tensor, scale: float) -> torch.Tensor:
     return features + scale * features.std() * torch.randn_like(features)
 
 
+def one_cycle(progress: float, max_lr: float, warm_up: float = 0.1) -> float:
+    """The learning rate at ``progress`` (0..1) of a run: a cosine rise from max_lr / 25 to
+    max_lr over the first ``warm_up``, then a cosine fall to max_lr / 25e4 (torch's OneCycleLR,
+    as a function of progress so that a time limit can end the run on its schedule)."""
+    def cosine(start: float, end: float, share: float) -> float:
+        return end + (start - end) / 2 * (1 + math.cos(math.pi * min(max(share, 0.0), 1.0)))
+
+    low = max_lr / 25
+    if progress < warm_up:
+        return cosine(low, max_lr, progress / warm_up)
+    return cosine(max_lr, low / 1e4, (progress - warm_up) / (1 - warm_up))
+
+
 def train_head(examples: list[Example], hf, head, epochs: int, steps: int, lr: float,  # type: ignore[no-untyped-def]
                device: torch.device, seed: int, pack_tokens: int = PACK_TOKENS,
-               noise: float = FEATURE_NOISE) -> list[float]:
+               noise: float = FEATURE_NOISE, time_limit: float | None = None) -> list[float]:
     """Epochs of AdamW over the examples (shuffled, packed up to ``pack_tokens`` a step, the
-    target's features made for each pack and given a little noise); each epoch's mean loss."""
+    target's features made for each pack and given a little noise); each epoch's mean loss
+    (of the epochs begun). ``time_limit`` (seconds): the run's progress is the larger of its
+    share of steps and of that time, so the schedule ends, and training stops, at whichever
+    comes first (a device call has a time limit)."""
     from workers.speculative.eagle.training import ttt_loss
 
     rng = random.Random(seed)
@@ -149,13 +166,24 @@ def train_head(examples: list[Example], hf, head, epochs: int, steps: int, lr: f
         order = list(range(len(examples)))
         rng.shuffle(order)
         orders.append(packs(examples, order, pack_tokens))
-    schedule = torch.optim.lr_scheduler.OneCycleLR(
-        optimizer, max_lr=lr, total_steps=max(1, sum(len(o) for o in orders)), pct_start=0.1)
+    total = max(1, sum(len(o) for o in orders))
+    started = time.monotonic()
+
+    def progress(step: int) -> float:
+        by_time = (time.monotonic() - started) / time_limit if time_limit else 0.0
+        return max(step / total, by_time)
+
     aux, draft_ids = head.shape.aux_layer_ids, head.draft_ids
-    means = []
+    means: list[float] = []
+    step = 0
     for epoch in orders:
         losses = []
         for pack in epoch:
+            done = progress(step)
+            if done >= 1:
+                break
+            for group in optimizer.param_groups:
+                group["lr"] = one_cycle(done, lr)
             features, target_probs = teacher_forced(
                 hf, [e.tokens.to(device) for e in pack.examples], aux, draft_ids)
             features = with_noise(features, noise)
@@ -166,9 +194,10 @@ def train_head(examples: list[Example], hf, head, epochs: int, steps: int, lr: f
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 0.5)
             optimizer.step()
-            schedule.step()
+            step += 1
             losses.append(loss.item())
-        means.append(sum(losses) / max(len(losses), 1))
+        if losses:
+            means.append(sum(losses) / len(losses))
     return means
 
 
@@ -197,7 +226,7 @@ def train_draft_head(model: str, output: Path, *, questions: int, self_written: 
                      max_tokens: int, epochs: int, steps: int, lr: float, draft_vocab: int,
                      held_out: int, k: int, device: str, seed: int,
                      pack_tokens: int = PACK_TOKENS, noise: float = FEATURE_NOISE,
-                     init: Path | None = None) -> dict:
+                     init: Path | None = None, time_limit: float | None = None) -> dict:
     from transformers import AutoModelForCausalLM
 
     from cluster.engine.llm import LLM
@@ -240,14 +269,17 @@ def train_draft_head(model: str, output: Path, *, questions: int, self_written: 
         head = TrainableHead(shape, embedding, draft_ids, lm_head).to(torch_device)
     draft_ids = head.draft_ids
     hf.requires_grad_(False)
+    training = time.perf_counter()
     losses = train_head(examples, hf, head, epochs, steps, lr, torch_device, seed, pack_tokens,
-                        noise)
+                        noise, time_limit)
+    training = time.perf_counter() - training
     del hf
     release_device_memory()
     save_head(head, output)
     report = {"head": str(output), "questions": len(train_questions),
               "self_written": len(written), "train_tokens": sum(len(r) for _, r in pairs),
-              "draft_vocab": len(draft_ids), "epoch_losses": losses}
+              "draft_vocab": len(draft_ids), "epoch_losses": losses,
+              "train_seconds": round(training, 1)}
     if eval_questions:
         mean, per_position = accepted_length(model, output, eval_questions, k, max_tokens,
                                              **engine_args)

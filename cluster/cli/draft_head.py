@@ -39,6 +39,9 @@ def add_draft_head_command(subparsers: argparse._SubParsersAction) -> None:
                        help="Gaussian noise on the target's features in training, in "
                        "their overall spread (0: none)")
     train.add_argument("--seed", type=int, default=0)
+    train.add_argument("--train-seconds", type=float,
+                       help="the most seconds training may take (after the answers): the "
+                       "learning-rate schedule runs to its end by then (a device call's limit)")
     train.set_defaults(handler=run_train)
 
 
@@ -49,6 +52,8 @@ def run_train(args: argparse.Namespace) -> int:
                  "pack_tokens"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
+    if args.train_seconds is not None and args.train_seconds <= 0:
+        raise ValueError(f"--train-seconds must be above 0, got {args.train_seconds}")
     if args.noise < 0:
         raise ValueError(f"--noise must be at least 0, got {args.noise}")
     report = train_draft_head(
@@ -56,6 +61,7 @@ def run_train(args: argparse.Namespace) -> int:
         self_written=args.self_written, max_tokens=args.max_tokens, epochs=args.epochs,
         steps=args.ttt_steps, lr=args.lr, draft_vocab=args.draft_vocab,
         held_out=args.held_out, k=args.k, device=args.device, seed=args.seed,
-        pack_tokens=args.pack_tokens, noise=args.noise, init=Path(args.init) if args.init else None)
+        pack_tokens=args.pack_tokens, noise=args.noise, init=Path(args.init) if args.init else None,
+        time_limit=args.train_seconds)
     print(json.dumps(report, indent=2))
     return 0

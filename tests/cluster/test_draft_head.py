@@ -77,3 +77,47 @@ def test_training_noise_is_a_share_of_the_features_overall_spread(capsys):
     assert with_noise(features, 0.0) is features
     assert main(["draft-head", "train", "--output", "unused", "--noise", "-0.1"]) == 2
     assert capsys.readouterr().err == "tandem: error: --noise must be at least 0, got -0.1\n"
+
+
+def test_the_learning_rate_follows_one_cycle_by_progress():
+    import pytest
+
+    from cluster.draft_head import one_cycle
+
+    assert one_cycle(0.0, 1.0) == pytest.approx(1 / 25)
+    assert one_cycle(0.05, 1.0) == pytest.approx((1 / 25 + 1) / 2)
+    assert one_cycle(0.1, 1.0) == pytest.approx(1.0)
+    assert one_cycle(0.55, 1.0) == pytest.approx((1 + 1 / 25e4) / 2)
+    assert one_cycle(1.0, 1.0) == pytest.approx(1 / 25e4)
+
+
+def test_a_spent_time_limit_ends_training_before_a_step(monkeypatch):
+    import itertools
+    import types
+
+    import torch
+
+    import cluster.draft_head as draft_head
+
+    # started at 0, then every check at 5: the limit is spent before the first step
+    clock = itertools.chain([0.0], itertools.repeat(5.0))
+    monkeypatch.setattr(draft_head.time, "monotonic", lambda: next(clock))
+
+    class Head(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.zeros(1))
+            self.shape = types.SimpleNamespace(aux_layer_ids=(0,))
+            self.draft_ids = torch.arange(4)
+
+    examples = [draft_head.Example(torch.arange(4), 2)]
+    means = draft_head.train_head(examples, None, Head(), epochs=2, steps=1, lr=1e-3,
+                                  device=torch.device("cpu"), seed=0, time_limit=5.0)
+    assert means == []  # no step ran: the teacher (None here) was never called
+
+
+def test_train_seconds_must_be_positive(tmp_path, capsys):
+    assert main(["draft-head", "train", "--output", str(tmp_path / "head"),
+                 "--train-seconds", "0"]) == 2
+    assert capsys.readouterr().err == "tandem: error: --train-seconds must be above 0, got 0.0\n"
+    assert not (tmp_path / "head").exists()
