@@ -10,6 +10,7 @@ import tempfile
 from pathlib import Path
 
 from workers.catalog.entries import CATALOG, CatalogEntry
+from workers.catalog.heads import HEADS, shipped_head
 
 
 def cache_root(cache_dir: str | Path | None = None) -> Path:
@@ -61,15 +62,18 @@ def model_path(name: str, cache_dir: str | Path | None = None) -> Path:
 
 
 def resolve_model(name_or_path: str | Path, cache_dir: str | Path | None = None) -> Path:
-    """An existing folder is returned as is; a catalog name is pulled; anything else is an error."""
+    """An existing folder is returned as is; a catalog name is pulled; a shipped draft head's
+    name gives its folder in the package (its files hash-checked); anything else is an error."""
     path = Path(name_or_path)
     if path.is_dir():
         return path
     if str(name_or_path) in CATALOG:
         return pull(str(name_or_path), cache_dir)
+    if str(name_or_path) in HEADS:
+        return shipped_head(str(name_or_path))
     raise ValueError(
         f"unknown model {str(name_or_path)!r}: not a folder and not in the catalog "
-        f"(known: {', '.join(CATALOG)})"
+        f"(known: {', '.join([*CATALOG, *HEADS])})"
     )
 
 

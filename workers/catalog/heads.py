@@ -1,0 +1,60 @@
+"""Draft heads that ship inside tandem: an EAGLE-3 head for a catalog model that has none
+published, made by `tandem draft-head train` on a GPU and kept in the package beside this file.
+
+`{"method": "eagle3", "model": "smollm2-135m-instruct-eagle3"}` names one. Each file is
+hash-pinned like the catalog's wheels: a head whose bytes differ from what was measured (a
+partial checkout, a file edited by hand) is refused rather than drafting silently worse.
+"""
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+from types import MappingProxyType
+
+from workers.catalog.wheels import ChecksumError
+
+HEADS_DIR = Path(__file__).parent / "heads"
+
+
+@dataclass(frozen=True)
+class ShippedHead:
+    name: str
+    target: str  # the catalog model it drafts for
+    files: tuple[tuple[str, str], ...]  # (file name in its folder, sha256)
+
+    @property
+    def folder(self) -> Path:
+        return HEADS_DIR / self.name
+
+
+HEADS: MappingProxyType[str, ShippedHead] = MappingProxyType({})
+
+_checked: set[Path] = set()  # folders whose files hashed right in this process
+
+
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as file:
+        for chunk in iter(lambda: file.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def shipped_head(name: str, heads: MappingProxyType[str, ShippedHead] | None = None) -> Path:
+    """The folder of shipped head ``name``, its files checked against their pins (once a
+    process)."""
+    heads = HEADS if heads is None else heads
+    if name not in heads:
+        raise ValueError(f"unknown draft head {name!r} (shipped: {', '.join(heads) or 'none'})")
+    head = heads[name]
+    if head.folder in _checked:
+        return head.folder
+    for file_name, pinned in head.files:
+        path = head.folder / file_name
+        if not path.is_file():
+            raise ChecksumError(f"draft head {name!r}: {path} is missing (an incomplete install?)")
+        if (actual := sha256_of(path)) != pinned:
+            raise ChecksumError(f"draft head {name!r}: {path} hashes to {actual}, pinned "
+                                f"{pinned}")
+    _checked.add(head.folder)
+    return head.folder
