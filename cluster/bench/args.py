@@ -205,8 +205,8 @@ def add_bench_parsers(subparsers: argparse._SubParsersAction) -> None:
     prefix.add_argument("--routing", default="prefix-affinity,least-loaded,round-robin",
                         help="with --replicas > 1: the policies to run, comma-separated")
     prefix.add_argument("--request-rate", type=float, default=0.0,
-                        help="with --replicas > 1: Poisson arrivals at this many requests a "
-                        "second (0: all at once)")
+                        help="Poisson arrivals at this many requests a second (seeded; 0: "
+                        "all at once)")
     prefix.add_argument("--skewed", action="store_true",
                         help="half of the requests share one hot prefix")
     prefix.add_argument("--interleaved", action="store_true",

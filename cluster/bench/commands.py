@@ -27,6 +27,7 @@ from cluster.bench.shapes import build_random_model
 from cluster.bench.triton_compiles import CompileLog
 from cluster.bench.workloads import (
     Request,
+    arrival_times,
     ideal_prefix_hit_rate,
     latency_prompt,
     prefix_requests,
@@ -98,8 +99,8 @@ class Setup:
         )
         return make_llm(self.folder, **(engine_args | overrides))
 
-    def run(self, llm, requests: list[Request]) -> dict:
-        return run_requests(llm, requests, self.device, self.compiles)
+    def run(self, llm, requests: list[Request], arrivals: list[float] | None = None) -> dict:
+        return run_requests(llm, requests, self.device, self.compiles, arrivals)
 
     def hf_model(self):
         return hf.load_hf_model(self.folder, self.dtype, self.device)
@@ -249,6 +250,8 @@ def compiles_note(run: dict) -> str:
 def prefix(args: argparse.Namespace) -> int:
     if args.replicas < 1:
         raise ValueError(f"--replicas must be at least 1, got {args.replicas}")
+    if args.request_rate < 0:
+        raise ValueError(f"--request-rate must be at least 0, got {args.request_rate}")
     setup = Setup(args)
     shape = (args.num_groups, args.group_size, args.prefix_len, args.question_len)
     make_requests = skewed_prefix_requests if args.skewed else prefix_requests
@@ -265,10 +268,12 @@ def prefix(args: argparse.Namespace) -> int:
     if args.host_kv_cache_gb > 0:
         return prefix_tiers(args, setup, requests, warmup)
     results = {}
+    arrivals = arrival_times(len(requests), args.request_rate, args.seed) \
+        if args.request_rate > 0 else None
     for cache in (True, False):
         llm = setup.engine(enable_prefix_caching=cache, num_kv_blocks=args.num_kv_blocks)
         setup.run(llm, warmup)
-        results["on" if cache else "off"] = setup.run(llm, requests)
+        results["on" if cache else "off"] = setup.run(llm, requests, arrivals)
         results["on" if cache else "off"].pop("token_ids")
         release(llm)
     on, off = results["on"], results["off"]

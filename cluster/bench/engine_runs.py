@@ -44,9 +44,33 @@ def greedy(request: Request) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=request.max_tokens, ignore_eos=True)
 
 
+def generate_arriving(llm: LLM, requests: list[Request], arrivals: list[float]) -> list:
+    """Each request added to the engine at its arrival (seconds from the start, ascending),
+    the engine stepping in between; the outputs in the requests' order. A request's TTFT
+    counts from when it was added."""
+    engine = llm.engine
+    start = time.perf_counter()
+    ids: list[str] = []
+    done: dict[str, object] = {}
+    while len(ids) < len(requests) or len(done) < len(requests):
+        now = time.perf_counter() - start
+        while len(ids) < len(requests) and arrivals[len(ids)] <= now:
+            request = requests[len(ids)]
+            ids.append(engine.add_request(request.prompt_token_ids, greedy(request)))
+        if engine.has_unfinished():
+            for output in engine.step(only_finished=True):
+                if output.finished:
+                    done[output.request_id] = output
+        elif len(ids) < len(requests):  # idle until the next arrival
+            time.sleep(max(0.0, arrivals[len(ids)] - (time.perf_counter() - start)))
+    return [done[request_id] for request_id in ids]
+
+
 def run_requests(llm: LLM, requests: list[Request], device: torch.device,
-                 compiles: CompileLog | None = None) -> dict:
-    """Runs every request at once (offline); wall time, token counts, per-request latencies."""
+                 compiles: CompileLog | None = None,
+                 arrivals: list[float] | None = None) -> dict:
+    """Runs every request at once (offline), or each at its arrival (``arrivals``: seconds
+    from the start); wall time, token counts, per-request latencies."""
     before = llm.stats()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -54,8 +78,11 @@ def run_requests(llm: LLM, requests: list[Request], device: torch.device,
     compiles = compiles or CompileLog()
     compiles_before = len(compiles.seen)
     start = time.perf_counter()
-    outputs = llm.generate([r.prompt_token_ids for r in requests],
-                           [greedy(r) for r in requests], use_tqdm=True)
+    if arrivals is None:
+        outputs = llm.generate([r.prompt_token_ids for r in requests],
+                               [greedy(r) for r in requests], use_tqdm=True)
+    else:
+        outputs = generate_arriving(llm, requests, arrivals)
     synchronize(device)
     seconds = time.perf_counter() - start
     after = llm.stats()

@@ -9,13 +9,12 @@ are set against the single-replica ideal (each group's prefix computed once in t
 
 import argparse
 import asyncio
-import random
 import time
 from dataclasses import asdict
 
 from cluster.bench.engine_runs import greedy, percentiles
 from cluster.bench.report import markdown_table
-from cluster.bench.workloads import Request
+from cluster.bench.workloads import Request, arrival_times
 from cluster.engine.config import EngineConfig
 from cluster.ray.start import init_ray
 
@@ -31,17 +30,6 @@ def engine_config(args: argparse.Namespace, folder: str, dtype: str, device: str
         attention_backend=args.attention_backend, seed=args.seed,
         num_kv_blocks=args.num_kv_blocks, kv_cache_dtype=args.kv_cache_dtype,
     )
-
-
-def arrival_times(count: int, rate: float, seed: int) -> list[float]:
-    """Seconds from the start at which each request is sent: all at 0 when rate is 0."""
-    if rate <= 0:
-        return [0.0] * count
-    rng, now, times = random.Random(seed), 0.0, []
-    for _ in range(count):
-        times.append(now)
-        now += rng.expovariate(rate)
-    return times
 
 
 async def run_all(cluster, requests: list[Request], tag: str, rate: float = 0.0,

@@ -14,7 +14,7 @@ import shutil
 
 from cluster.bench.engine_runs import release
 from cluster.bench.report import markdown_table, publish
-from cluster.bench.workloads import Request
+from cluster.bench.workloads import Request, arrival_times
 
 GB = 1e9
 
@@ -55,13 +55,16 @@ def tier_figures(llm) -> dict:
 def prefix_tiers(args: argparse.Namespace, setup, requests: list[Request],
                  warmup: list[Request]) -> int:
     results = {}
+    # seeded: every run sees the same arrival times; None: all at once
+    arrivals = arrival_times(len(requests), args.request_rate, args.seed) \
+        if args.request_rate > 0 else None
     for name, options in tier_runs(args).items():
         if "disk_kv_cache_dir" in options:  # an empty tier: its blocks come from this run
             shutil.rmtree(options["disk_kv_cache_dir"], ignore_errors=True)
         llm = setup.engine(num_kv_blocks=args.num_kv_blocks, **options)
         setup.run(llm, warmup)
         before = tier_figures(llm)
-        result = setup.run(llm, requests)
+        result = setup.run(llm, requests, arrivals)
         result.pop("token_ids")
         after = tier_figures(llm)
         for hits in ("host_cache_hits", "disk_cache_hits"):  # this run's, not the warm-up's
@@ -82,9 +85,11 @@ def prefix_tiers(args: argparse.Namespace, setup, requests: list[Request],
                      r["ttft_s"]["p99"] * 1e3, r["tpot_s"]["p50"] * 1e3,
                      r["output_tokens_per_s"], r["total_tokens_per_s"],
                      rate, measured, t.get("host_cache_hits"), t.get("disk_cache_hits")])
-    table = markdown_table(["W4 tiers", "prompt tokens computed", "TTFT p50 ms", "TTFT p99 ms",
-                            "TPOT p50 ms", "output tok/s", "total tok/s", "transfer GB/s",
-                            "host copy GB/s (measured)", "host hits", "disk hits"], rows)
+    load = f", {args.request_rate:g} req/s" if arrivals is not None else ", all at once"
+    table = markdown_table([f"W4 tiers{load}", "prompt tokens computed", "TTFT p50 ms",
+                            "TTFT p99 ms", "TPOT p50 ms", "output tok/s", "total tok/s",
+                            "transfer GB/s", "host copy GB/s (measured)", "host hits",
+                            "disk hits"], rows)
     recompute = results["recompute"]["ttft_s"]["p50"]
     table += f"\n\nTTFT p50 recompute / host {recompute / results['host']['ttft_s']['p50']:.1f}x"
     if "host+disk" in results:

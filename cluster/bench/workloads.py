@@ -43,6 +43,18 @@ def latency_prompt(num_tokens: int = 128, vocab_size: int = 10001, seed: int = 0
     return [rng.randrange(vocab_size) for _ in range(num_tokens)]
 
 
+def arrival_times(count: int, rate: float, seed: int) -> list[float]:
+    """Seconds from the start at which each request is sent: Poisson at ``rate`` a second
+    (seeded), all at 0 when rate is 0."""
+    if rate <= 0:
+        return [0.0] * count
+    rng, now, times = random.Random(seed), 0.0, []
+    for _ in range(count):
+        times.append(now)
+        now += rng.expovariate(rate)
+    return times
+
+
 def prefix_requests(num_groups: int = 64, group_size: int = 16, prefix_len: int = 2048,
                     question_len: int = 128, max_tokens: int = 256, vocab_size: int = 10001,
                     seed: int = 0) -> list[Request]:

@@ -35,3 +35,42 @@ def test_two_replicas_with_prefix_affinity_compute_the_ideal(ray_session, tiny_m
     results = json.loads(output.read_text())["results"]
     assert list(results) == ["prefix-affinity"]
     assert results["prefix-affinity"]["prompt_tokens_computed"] == IDEAL
+
+
+TIERS = ["--num-groups", "8", "--group-size", "2", "--prefix-len", "32", "--question-len", "8",
+         "--output-len", "2", "--block-size", "4", "--device", "cpu", "--no-hf", "--pass-major",
+         "--num-kv-blocks", "40", "--host-kv-cache-gb", "0.01"]
+
+
+def test_the_host_tier_run_beside_recompute_all_at_once(tiny_models, tmp_path):
+    output = tmp_path / "tiers.json"
+    assert main(["bench", "prefix", "--model", str(tiny_models["llama"]), *TIERS,
+                 "--output", str(output)]) == 0
+    record = json.loads(output.read_text())
+    recompute, host = record["results"]["recompute"], record["results"]["host"]
+    # 40 blocks of 4 hold 4 of the 8 requests: when a group's second request comes its prefix
+    # has left the device; recompute computes it again, the host tier gives it back. All at
+    # once, each run is the same every time (one preemption in each: 7 blocks are device hits
+    # in both, and the host tier also gives the preempted sequence its blocks back)
+    assert recompute["prompt_tokens_computed"] == 16 * 40 - 7 * 4
+    assert host["tiers"]["host_cache_hits"] == 67 * 4
+    assert host["prompt_tokens_computed"] == 16 * 40 - 7 * 4 - 67 * 4
+    assert record["table"].startswith("| W4 tiers, all at once |")
+
+
+def test_the_tier_runs_take_poisson_arrivals(tiny_models, tmp_path):
+    output = tmp_path / "tiers-poisson.json"
+    assert main(["bench", "prefix", "--model", str(tiny_models["llama"]), *TIERS,
+                 "--request-rate", "400", "--output", str(output)]) == 0
+    record = json.loads(output.read_text())
+    for run in record["results"].values():  # what arrives when is the clock's: counts only
+        assert run["num_requests"] == 16 and run["output_tokens"] == 16 * 2
+        assert run["prompt_tokens"] == 16 * 40
+        assert run["prompt_tokens_cached"] + run["prompt_tokens_computed"] == 16 * 40
+    assert record["table"].startswith("| W4 tiers, 400 req/s |")
+
+
+def test_a_negative_request_rate_is_refused(tiny_models, capsys):
+    assert main(["bench", "prefix", "--model", str(tiny_models["llama"]), *TIERS,
+                 "--request-rate", "-1"]) == 2
+    assert capsys.readouterr().err == "tandem: error: --request-rate must be at least 0, got -1.0\n"
