@@ -6,12 +6,11 @@ hash-pinned like the catalog's wheels: a head whose bytes differ from what was m
 partial checkout, a file edited by hand) is refused rather than drafting silently worse.
 """
 
-import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
 
-from workers.catalog.wheels import ChecksumError
+from workers.catalog.wheels import ChecksumError, file_sha256
 
 HEADS_DIR = Path(__file__).parent / "heads"
 
@@ -32,14 +31,6 @@ HEADS: MappingProxyType[str, ShippedHead] = MappingProxyType({})
 _checked: set[Path] = set()  # folders whose files hashed right in this process
 
 
-def sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as file:
-        for chunk in iter(lambda: file.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def shipped_head(name: str, heads: MappingProxyType[str, ShippedHead] | None = None) -> Path:
     """The folder of shipped head ``name``, its files checked against their pins (once a
     process)."""
@@ -53,7 +44,7 @@ def shipped_head(name: str, heads: MappingProxyType[str, ShippedHead] | None = N
         path = head.folder / file_name
         if not path.is_file():
             raise ChecksumError(f"draft head {name!r}: {path} is missing (an incomplete install?)")
-        if (actual := sha256_of(path)) != pinned:
+        if (actual := file_sha256(path)) != pinned:
             raise ChecksumError(f"draft head {name!r}: {path} hashes to {actual}, pinned "
                                 f"{pinned}")
     _checked.add(head.folder)
