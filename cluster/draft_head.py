@@ -123,13 +123,6 @@ FEATURE_NOISE = 0.05  # the training noise's share of the features' spread (with
 PACK_TOKENS = 256
 
 
-def teacher_dtype(device: torch.device) -> torch.dtype:
-    """The target's dtype in the teacher-forced pass: the one the engine serves it in on that
-    device (float32 on the CPU, bfloat16 on a GPU), so the head learns the features it will
-    be given, and a GPU's pass runs at bfloat16's speed. The head itself trains in float32."""
-    return torch.float32 if device.type == "cpu" else torch.bfloat16
-
-
 def with_noise(features: torch.Tensor, scale: float) -> torch.Tensor:
     """The features with Gaussian noise of ``scale`` times their overall spread. A small
     model's residual stream has a few dimensions of massive activations (SmolLM2-135M: |x| up
@@ -188,7 +181,7 @@ def train_head(examples: list[Example], hf, head, epochs: int, steps: int, lr: f
         for pack in epoch:
             done = progress(step)
             if done >= 1:
-                break
+                return means + ([sum(losses) / len(losses)] if losses else [])
             for group in optimizer.param_groups:
                 group["lr"] = one_cycle(done, lr)
             features, target_probs = teacher_forced(
@@ -263,8 +256,7 @@ def train_draft_head(model: str, output: Path, *, questions: int, self_written: 
         release_device_memory()
     torch_device = torch.device("cuda" if device != "cpu" and torch.cuda.is_available()
                                 else "cpu")
-    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=teacher_dtype(torch_device)).to(
-        torch_device)
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).to(torch_device)
     examples = [Example(torch.tensor(question + reply), len(question))
                 for question, reply in pairs]
     torch.manual_seed(seed)

@@ -265,11 +265,12 @@ def prefix(args: argparse.Namespace) -> int:
                              args.seed + 1)
     if args.replicas > 1:
         return prefix_on_replicas(args, setup, requests, warmup)
-    if args.host_kv_cache_gb > 0:
-        return prefix_tiers(args, setup, requests, warmup)
-    results = {}
+    # seeded: every run sees the same arrival times; None: all at once
     arrivals = arrival_times(len(requests), args.request_rate, args.seed) \
         if args.request_rate > 0 else None
+    if args.host_kv_cache_gb > 0:
+        return prefix_tiers(args, setup, requests, warmup, arrivals)
+    results = {}
     for cache in (True, False):
         llm = setup.engine(enable_prefix_caching=cache, num_kv_blocks=args.num_kv_blocks)
         setup.run(llm, warmup)

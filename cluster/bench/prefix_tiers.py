@@ -14,7 +14,7 @@ import shutil
 
 from cluster.bench.engine_runs import release
 from cluster.bench.report import markdown_table, publish
-from cluster.bench.workloads import Request, arrival_times
+from cluster.bench.workloads import Request
 
 GB = 1e9
 
@@ -53,11 +53,9 @@ def tier_figures(llm) -> dict:
 
 
 def prefix_tiers(args: argparse.Namespace, setup, requests: list[Request],
-                 warmup: list[Request]) -> int:
+                 warmup: list[Request], arrivals: list[float] | None = None) -> int:
+    """``arrivals``: each request's time from the start (None: all at once)."""
     results = {}
-    # seeded: every run sees the same arrival times; None: all at once
-    arrivals = arrival_times(len(requests), args.request_rate, args.seed) \
-        if args.request_rate > 0 else None
     for name, options in tier_runs(args).items():
         if "disk_kv_cache_dir" in options:  # an empty tier: its blocks come from this run
             shutil.rmtree(options["disk_kv_cache_dir"], ignore_errors=True)

@@ -122,11 +122,3 @@ def test_train_seconds_must_be_positive(tmp_path, capsys):
     assert capsys.readouterr().err == "tandem: error: --train-seconds must be above 0, got 0.0\n"
     assert not (tmp_path / "head").exists()
 
-
-def test_the_teacher_runs_in_the_dtype_the_engine_serves_in():
-    import torch
-
-    from cluster.draft_head import teacher_dtype
-
-    assert teacher_dtype(torch.device("cpu")) == torch.float32
-    assert teacher_dtype(torch.device("cuda", 0)) == torch.bfloat16

@@ -18,7 +18,6 @@ HEADS_DIR = Path(__file__).parent / "heads"
 @dataclass(frozen=True)
 class ShippedHead:
     name: str
-    target: str  # the catalog model it drafts for
     files: tuple[tuple[str, str], ...]  # (file name in its folder, sha256)
 
     @property
@@ -31,13 +30,12 @@ HEADS: MappingProxyType[str, ShippedHead] = MappingProxyType({})
 _checked: set[Path] = set()  # folders whose files hashed right in this process
 
 
-def shipped_head(name: str, heads: MappingProxyType[str, ShippedHead] | None = None) -> Path:
+def shipped_head(name: str) -> Path:
     """The folder of shipped head ``name``, its files checked against their pins (once a
     process)."""
-    heads = HEADS if heads is None else heads
-    if name not in heads:
-        raise ValueError(f"unknown draft head {name!r} (shipped: {', '.join(heads) or 'none'})")
-    head = heads[name]
+    if name not in HEADS:
+        raise ValueError(f"unknown draft head {name!r} (shipped: {', '.join(HEADS) or 'none'})")
+    head = HEADS[name]
     if head.folder in _checked:
         return head.folder
     for file_name, pinned in head.files:

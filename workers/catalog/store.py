@@ -9,8 +9,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from workers.catalog import heads
 from workers.catalog.entries import CATALOG, CatalogEntry
-from workers.catalog.heads import HEADS, shipped_head
 
 
 def cache_root(cache_dir: str | Path | None = None) -> Path:
@@ -69,11 +69,11 @@ def resolve_model(name_or_path: str | Path, cache_dir: str | Path | None = None)
         return path
     if str(name_or_path) in CATALOG:
         return pull(str(name_or_path), cache_dir)
-    if str(name_or_path) in HEADS:
-        return shipped_head(str(name_or_path))
+    if str(name_or_path) in heads.HEADS:
+        return heads.shipped_head(str(name_or_path))
     raise ValueError(
         f"unknown model {str(name_or_path)!r}: not a folder and not in the catalog "
-        f"(known: {', '.join([*CATALOG, *HEADS])})"
+        f"(known: {', '.join([*CATALOG, *heads.HEADS])})"
     )
 
 
