@@ -19,10 +19,11 @@ from workers.host_layout import BlockLayout
 
 
 @dataclass(frozen=True)
-class _Group:
+class CopyGroup:
     cache: torch.Tensor  # (layers, num_blocks, bytes of one layer's block), uint8, contiguous
     offset: int  # where the first layer's share of a block starts in a slot
     stride: int  # bytes from one layer's share to the next one's in a slot
+    first_position: int  # its first tensor's position in the list the layout was made of
 
 
 class BlockCopies:
@@ -41,14 +42,14 @@ class BlockCopies:
         for group in self.groups:
             group.cache.index_copy_(1, block_index, self._view(group, rows))
 
-    def _view(self, group: _Group, rows: torch.Tensor) -> torch.Tensor:
+    def _view(self, group: CopyGroup, rows: torch.Tensor) -> torch.Tensor:
         """The group's bytes of ``rows`` as (layers, rows, bytes of a layer's block)."""
         layers, _, size = group.cache.shape
         return rows.as_strided((layers, rows.shape[0], size), (group.stride, self.block_bytes, 1),
                                rows.storage_offset() + group.offset)
 
 
-def _groups(tensors: list[torch.Tensor], layout: BlockLayout) -> list[_Group]:
+def _groups(tensors: list[torch.Tensor], layout: BlockLayout) -> list[CopyGroup]:
     """A group for each stacked tensor whose layers are all in the list, in order, at a
     constant stride in the slot (the kinds of a layer interleave there); then every other
     tensor alone."""
@@ -57,7 +58,7 @@ def _groups(tensors: list[torch.Tensor], layout: BlockLayout) -> list[_Group]:
         base = tensor._base
         if base is not None and base.is_contiguous() and base.dim() == tensor.dim() + 1:
             by_base.setdefault(id(base), []).append(position)
-    groups: list[_Group] = []
+    groups: list[CopyGroup] = []
     grouped: set[int] = set()
     for positions in by_base.values():
         base = tensors[positions[0]]._base
@@ -67,7 +68,7 @@ def _groups(tensors: list[torch.Tensor], layout: BlockLayout) -> list[_Group]:
         if len(positions) == base.shape[0] and all(
                 _is_layer(tensors[position], base, layer) and offset == offsets[0] + layer * stride
                 for layer, (position, offset) in enumerate(zip(positions, offsets, strict=True))):
-            groups.append(_Group(_bytes(base), offsets[0], stride))
+            groups.append(CopyGroup(_bytes(base), offsets[0], stride, positions[0]))
             grouped.update(positions)
     for position, tensor in enumerate(tensors):
         if position in grouped:
@@ -75,7 +76,8 @@ def _groups(tensors: list[torch.Tensor], layout: BlockLayout) -> list[_Group]:
         if not tensor.is_contiguous():
             raise ValueError(f"cache tensor {position} of shape {tuple(tensor.shape)} is not "
                              "contiguous: its blocks cannot be copied as bytes")
-        groups.append(_Group(_bytes(tensor.unsqueeze(0)), layout.offsets[position], 0))
+        groups.append(CopyGroup(_bytes(tensor.unsqueeze(0)), layout.offsets[position], 0,
+                                position))
     return groups
 
 

@@ -235,6 +235,9 @@ class DecodeGraphs:
         self.inputs.load(self.packed[:size], bucket, width)
         if input_ids is not None:
             self.inputs.input_ids[:n].copy_(input_ids)
+        gate = getattr(getattr(self.model, "model", None), "layer_gate", None)
+        if gate is not None:  # a graph's layers don't wait one by one: all of it first
+            gate.wait_all()
         self.graphs[bucket].replay()
         if bucket in self.aux:  # what an eager forward would have left there
             self.model.model.aux_features = self.aux[bucket][:n]

@@ -32,6 +32,10 @@ needs a file waits there, off the step, and its copies are queued once the file 
 The host itself waits for a copy only to read or write a slot by CPU (a copy of it for a file,
 or another replica's blocks: ``export`` and ``stage_import`` run on the actor's own thread beside
 the steps, and touch only pinned slots and the staging dict).
+A load whose sequence runs in the step (``BlockLoad.in_step``) goes layer by layer where the
+device reads pinned slots in place (workers/layer_loads.py, checked at start-up): the step's
+loads together, a chunk of layers at a time, each chunk's event waited for by the forward just
+before its layers (``gate``), so most of the copy hides under the layers before it.
 On the CPU the same code runs with plain tensors: every copy is done when it returns, and
 nothing is ever in flight.
 """
@@ -51,6 +55,7 @@ from kvstore.transfers import BlockLoad, HostImport, KVTransfers, TransferReport
 from workers.block_copies import BlockCopies
 from workers.disk_transfers import DiskTransfers
 from workers.host_layout import BlockLayout, OffloadInfo
+from workers.layer_loads import LayerCopies, LayerGate
 from workers.layers.parallel import TensorParallelGroup
 from workers.step_input import StepInput
 
@@ -77,6 +82,7 @@ class _Batch:
     loads_into: set[int] = field(default_factory=set)  # device blocks being written
     stores_from: set[int] = field(default_factory=set)  # device blocks being read
     slots: set[int] = field(default_factory=set)  # host slots read or written
+    layered: bool = False  # a chunk of layers of in-step loads: the forward waits (``gate``)
 
 
 @dataclass
@@ -88,7 +94,11 @@ class _PendingLoad:
 
 class KVOffloader:
     def __init__(self, tensors: list[torch.Tensor], num_slots: int, disk_dir: str | None,
-                 tp: TensorParallelGroup, stage_blocks: int = STAGE_BLOCKS) -> None:
+                 tp: TensorParallelGroup, stage_blocks: int = STAGE_BLOCKS,
+                 model_layers: tuple[int, int] = (0, 0), layered: bool | None = None) -> None:
+        """``model_layers``: (layers, tensors) of the model whose forward waits layer by layer
+        (its tensors first in ``tensors``); (0, 0): none does. ``layered``: whether in-step
+        loads go layer by layer; None: on a GPU that reads pinned slots in place (a probe)."""
         if num_slots < 1:
             raise ValueError(f"the host KV buffer needs at least 1 slot, got {num_slots}")
         self.tensors = tensors
@@ -109,6 +119,13 @@ class KVOffloader:
                                          dtype=torch.uint8, device=self.device)
                        for kind in (LOAD, STORE)}
         self.copies = BlockCopies(tensors, self.layout)  # one kernel a kind of all layers
+        self.gate = LayerGate()  # the model's forward waits here for in-step loads' layers
+        self.layer_copies: LayerCopies | None = None
+        num_layers, model_tensors = model_layers
+        if num_layers and layered is not False:
+            self.layer_copies = LayerCopies(self.host, self.copies, num_layers, model_tensors)
+            if layered is None and not self._layered_copies_work():
+                self.layer_copies = None
         directory = Path(disk_dir) / self.layout.tag if disk_dir else None
         self.disk = DiskTransfers(directory, self.layout.tag, self.host, tp, self.device)
         self._disk_step = False  # this step carried disk copies: agree on a failed write
@@ -150,6 +167,31 @@ class KVOffloader:
             best = min(best, time.perf_counter() - started)
         return count * self.layout.block_bytes / max(best, 1e-9)
 
+    def _layered_copies_work(self) -> bool:
+        """Whether the layer-by-layer kernel reads the pinned slots here (a unified address),
+        agreed by every shard: slot 0 into block 0 and back through the staged path, compared;
+        both zeroed again after (nothing is cached yet)."""
+        assert self.layer_copies is not None
+        if not self.on_gpu:  # every copy is done when it returns: nothing to overlap
+            return False
+        index = torch.zeros(1, dtype=torch.int64, device=self.device)
+        pattern = torch.randint(0, 256, (self.layout.block_bytes,), dtype=torch.uint8)
+        ok = False
+        try:
+            self.host[0].copy_(pattern)
+            for first, last in self.layer_copies.chunks():
+                self.layer_copies.load(index, index, first, last)
+            self.copies.gather(index, self.stages[STORE][:1])
+            ok = torch.equal(self.stages[STORE][0].cpu(), pattern)
+        except Exception as error:  # noqa: BLE001 - any failure means: load whole blocks
+            log.warning("host-tier loads go whole blocks at a time: the device does not read "
+                        "pinned host memory in place (%r)", error)
+        self.host[0].zero_()
+        self.stages[LOAD][:1].zero_()
+        self.copies.scatter(index, self.stages[LOAD][:1])
+        self._synchronize()
+        return not self.tp.any_true_each([not ok], self.device)[0]
+
     def _synchronize(self) -> None:
         if self.on_gpu:
             torch.cuda.synchronize(self.device)
@@ -182,9 +224,13 @@ class KVOffloader:
             self._disk_step = bool(transfers.to_disk or transfers.from_disk)
         if self.batches:
             self._wait_for(touched, written)
+        # the first chunk holds every tensor that isn't the model's (a draft's, a head's),
+        # which no layer's wait covers
+        self.gate.before_layer(0)
 
     def after_step(self, transfers: KVTransfers | None) -> None:
         """Write-through of the blocks cached last step, behind this step's forward."""
+        self.gate.wait_all()  # whatever the forward waited for: nothing runs ahead of a load
         if transfers is not None and transfers.stores:
             self._store(transfers.stores)
 
@@ -225,7 +271,8 @@ class KVOffloader:
             for slot in slots:
                 self.disk.reuse(slot)
             n = len(chunk)
-            with self._on_copy_stream(STORE, set(blocks), set(slots)), self._timed(n):
+            with self._on_copy_stream(STORE, set(blocks), set(slots)), \
+                    self._timed(n * self.layout.block_bytes):
                 self.copies.gather(self._to_device(blocks), stage[:n])
                 for slot, row, count in _runs(slots):
                     self.host[slot:slot + count].copy_(stage[row:row + count],
@@ -238,6 +285,9 @@ class KVOffloader:
         intact (the engine recomputes its tokens), the others as they land. ``in_flight``:
         the blocks the step in flight uses (a load of none of them need not wait for it);
         None: every load waits."""
+        if self.layer_copies is not None and any(load.in_step for load in loads):
+            self._load_layered([load for load in loads if load.in_step], in_flight)
+            loads = [load for load in loads if not load.in_step]
         started: list[_PendingLoad] = []
         failed: list[bool] = []
         for load in loads:
@@ -274,13 +324,50 @@ class KVOffloader:
             stage = self.stages[LOAD]
             after_step = in_flight is None or not in_flight.isdisjoint(blocks)
             with self._on_copy_stream(LOAD, set(blocks), set(slots), after_step), \
-                    self._timed(n):
+                    self._timed(n * self.layout.block_bytes):
                 for slot, row, count in _runs(slots):
                     stage[row:row + count].copy_(self.host[slot:slot + count],
                                                  non_blocking=True)
                 self.copies.scatter(self._to_device(blocks), stage[:n])
                 event = self._record(LOAD, loads_into=set(blocks), slots=set(slots))
         return _PendingLoad(load.request_id, num_ok, event)
+
+    def _load_layered(self, loads: list[BlockLoad], in_flight: set[int] | None) -> None:
+        """The in-step loads together, a chunk of the model's layers at a time, each chunk
+        marked by an event the forward waits for before its layers (``gate``). A copy that
+        raises fails the step: its sequences' forwards are this step's."""
+        assert self.layer_copies is not None
+        for load in loads:
+            if not load.block_ids:  # nothing to copy: landed now
+                self.pending_loads.append(_PendingLoad(load.request_id, 0, None))
+        loads = [load for load in loads if load.block_ids]
+        if not loads:
+            return
+        slots = [slot for load in loads for slot in load.host_slots]
+        blocks = [block for load in loads for block in load.block_ids]
+        block_set, slot_set = set(blocks), set(slots)
+        after_step = in_flight is None or not in_flight.isdisjoint(block_set)
+        chunks: list[tuple[int, object]] = []
+        try:
+            slot_index, block_index = self._to_device(slots), self._to_device(blocks)
+            num_layers = self.layer_copies.num_layers
+            for first, last in self.layer_copies.chunks():
+                num_bytes = len(blocks) * self.layout.block_bytes * (last - first) // num_layers
+                with self._on_copy_stream(LOAD, block_set, slot_set, after_step), \
+                        self._timed(num_bytes):
+                    self.layer_copies.load(slot_index, block_index, first, last)
+                    event = self._record(LOAD, loads_into=block_set, slots=slot_set,
+                                         layered=True)
+                chunks.append((first, event))
+        except RuntimeError as error:
+            raise RuntimeError(f"loading {len(blocks)} KV blocks from the host tier for "
+                               f"{', '.join(load.request_id for load in loads)}, which run in "
+                               f"this step, failed: {error}") from error
+        self.gate.arm(chunks)
+        last_event = chunks[-1][1] if self.streams else None
+        for load in loads:
+            self.pending_loads.append(_PendingLoad(load.request_id, len(load.block_ids),
+                                                   last_event))  # type: ignore[arg-type]
 
     def _on_copy_stream(self, kind: str, blocks: set[int], slots: set[int],
                         after_step: bool = True) -> contextlib.AbstractContextManager[object]:
@@ -315,15 +402,15 @@ class KVOffloader:
         return index.pin_memory().to(self.device, non_blocking=True)
 
     def _record(self, kind: str, loads_into: set[int] | None = None,
-                stores_from: set[int] | None = None,
-                slots: set[int] | None = None) -> "torch.cuda.Event | None":
+                stores_from: set[int] | None = None, slots: set[int] | None = None,
+                layered: bool = False) -> "torch.cuda.Event | None":
         """Marks the copies queued so far on the ``kind`` stream (on a GPU; None on the CPU,
         where they are done)."""
         if not self.streams:
             return None
         batch = _Batch(kind, torch.cuda.Event(enable_timing=True), self._copy_start,
                        self._copy_bytes, loads_into or set(), stores_from or set(),
-                       slots or set())
+                       slots or set(), layered)
         batch.event.record(self.streams[kind])
         self.batches.append(batch)
         return batch.event
@@ -348,10 +435,10 @@ class KVOffloader:
             self._report.copy_seconds += batch.start.elapsed_time(batch.event) / 1e3
 
     @contextlib.contextmanager
-    def _timed(self, num_blocks: int) -> "Iterator[None]":
+    def _timed(self, num_bytes: int) -> "Iterator[None]":
         """Around one batch of device <-> host copies: their bytes and time (the CPU's are
         done on return; a GPU's are timed by events on the copy stream, see ``_count_copy``)."""
-        self._copy_bytes = num_blocks * self.layout.block_bytes
+        self._copy_bytes = num_bytes
         if self.streams:
             self._copy_start = torch.cuda.Event(enable_timing=True)
             self._copy_start.record(torch.cuda.current_stream())  # inside _on_copy_stream
@@ -364,10 +451,13 @@ class KVOffloader:
 
     def _wait_for(self, touched: Iterable[int], written: Iterable[int]) -> None:
         """The compute stream waits for the last in-flight copy of each stream it must not
-        overtake (each stream is FIFO: waiting for it covers every copy before it)."""
+        overtake (each stream is FIFO: waiting for it covers every copy before it); not for
+        layered loads, which the forward waits for layer by layer (``gate``)."""
         touched, written = set(touched), set(written)
         waited: set[str] = set()
         for batch in reversed(self.batches):
+            if batch.layered:
+                continue
             if batch.kind not in waited and (batch.loads_into & (touched | written)
                                              or batch.stores_from & written):
                 torch.cuda.current_stream().wait_event(batch.event)

@@ -190,6 +190,7 @@ class Worker:
         self.centers_digest = centers_digest(self.key_centers, self.tp)  # a collective too
         self._allocate_kv_cache(num_blocks)
         self.offloader = None
+        self.model.model.layer_gate = None
         if self.config.host_kv_cache_bytes:
             tensors = layer_tensors(self.kv_caches) + self._draft_block_tensors()
             block_bytes = sum(t[0].numel() * t.element_size() for t in tensors)
@@ -197,8 +198,11 @@ class Worker:
             if num_slots < 1:
                 raise ValueError(f"host_kv_cache_gb holds no KV block: one takes "
                                  f"{block_bytes} bytes a shard")
+            model_tensors = len(layer_tensors(self.kv_caches))
             self.offloader = KVOffloader(tensors, num_slots, self.config.disk_kv_cache_dir,
-                                         self.tp)
+                                         self.tp, model_layers=(len(self.kv_caches),
+                                                                model_tensors))
+            self.model.model.layer_gate = self.offloader.gate
         # what the engine admits: no sequence outgrows its length or the cache
         model_len = self.config.max_model_len or self.hf_config.max_position_embeddings
         max_model_len = min(model_len, num_blocks * self.config.block_size)

@@ -127,6 +127,34 @@ def test_a_load_starts_beside_the_step_in_flight_unless_that_step_uses_its_block
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["bfloat16", "int8+scales"])
+def test_in_step_loads_go_layer_by_layer_and_land_bit_exact(kind):
+    """The probe finds that the device reads pinned slots in place; a step's in-step loads
+    go together, chunk by chunk, the forward's gate armed with the chunks after the first."""
+    dtype = getattr(torch, kind.split("+")[0])
+    tensors = layer_tensors(gpu_caches(dtype, layers=8, scales=kind == "int8+scales"))
+    offloader = KVOffloader(tensors, num_slots=32, disk_dir=None, tp=SINGLE,
+                            model_layers=(8, len(tensors)))
+    assert offloader.layer_copies is not None
+    expected = bits(tensors, [3, 9, 17])
+    run(offloader, KVTransfers(stores_first=[(3, 5), (9, 6), (17, 20)]))
+    torch.cuda.synchronize()
+    for t in tensors:
+        t.zero_()
+    loads = KVTransfers(loads=[BlockLoad("a", [5, 6], [30, 31], in_step=True),
+                               BlockLoad("b", [20], [40], in_step=True)])
+    offloader.before_step(loads, touched=[30, 31, 40], written=[])
+    assert [first for first, _ in offloader.gate.pending] == [1, 2, 3, 4, 5, 6, 7]
+    offloader.after_step(loads)
+    assert offloader.gate.pending == []
+    torch.cuda.synchronize()
+    assert offloader.report(idle=True).loaded == {"a": 2, "b": 1}
+    assert all(torch.equal(a, b) for a, b in zip(bits(tensors, [30, 31, 40]), expected,
+                                                  strict=True))
+    assert not any(t[:30].any() for t in tensors)
+
+
+@pytest.mark.gpu
 def test_an_engine_with_host_and_disk_tiers_gives_the_tokens_of_one_without(tiny_models,
                                                                              tmp_path):
     from cluster import LLM, SamplingParams
@@ -175,6 +203,13 @@ def test_the_copies_run_near_a_plain_pinned_copy_s_rate():
     loads = KVTransfers(loads=[BlockLoad("r", list(range(256)), list(range(1, 512, 2)))])
     store_rate = timed(lambda: run(offloader, stores))
     load_rate = timed(lambda: (run(offloader, loads), offloader.report(idle=False)))
+    layered = KVOffloader(tensors, num_slots=256, disk_dir=None, tp=SINGLE,
+                          model_layers=(32, len(tensors)))
+    in_step = KVTransfers(loads=[BlockLoad("r", list(range(256)), list(range(1, 512, 2)),
+                                           in_step=True)])
+    layered_rate = timed(lambda: (run(layered, in_step), layered.report(idle=False)))
     print(f"\nD2H {store_rate:.1f} GB/s of plain {plain_d2h:.1f}; "
-          f"H2D {load_rate:.1f} GB/s of plain {plain_h2d:.1f}")
+          f"H2D {load_rate:.1f} GB/s of plain {plain_h2d:.1f}, layer by layer "
+          f"{layered_rate:.1f}")
     assert store_rate > 0.5 * plain_d2h and load_rate > 0.5 * plain_h2d
+    assert layered_rate > 0.5 * plain_h2d

@@ -45,6 +45,8 @@ from workers.layers.rotary import RotaryEmbedding, apply_rotary
 if TYPE_CHECKING:  # transformers is imported where a config is read, not to run a shard
     from transformers import PretrainedConfig
 
+    from workers.layer_loads import LayerGate
+
 # (fused parameter, checkpoint name, shard id): checkpoint tensors that load into a slice
 STACKED_PARAMS = (
     (".qkv_proj.", ".q_proj.", "q"),
@@ -292,6 +294,9 @@ class LlamaModel(nn.Module):
         # layers, concatenated in their order, kept in aux_features after each forward
         self.aux_layers: tuple[int, ...] = ()
         self.aux_features: torch.Tensor | None = None
+        # a step that loads KV blocks from the host tier layer by layer: each layer waits for
+        # its own (workers/layer_loads.py); None: nothing to wait for
+        self.layer_gate: LayerGate | None = None
         # a state dict holds the checkpoint's weights: loading one unfolds them
         self.register_load_state_dict_pre_hook(lambda *_: setattr(self, "norms_folded", False))
         if fused:  # rows of one token take the fused matrix-vector kernels
@@ -328,6 +333,7 @@ class LlamaModel(nn.Module):
             if hidden.shape[0] == 1:
                 residual = None
                 for index, (layer, cache) in layers:
+                    self._before_layer(index)
                     if index in aux:
                         streams[index] = hidden if residual is None else hidden + residual
                     hidden, residual = layer.forward_one_token(
@@ -336,17 +342,23 @@ class LlamaModel(nn.Module):
                 self._keep_aux(streams)
                 return self.norm(hidden, residual)[0]
             for index, (layer, cache) in layers:
+                self._before_layer(index)
                 if index in aux:
                     streams[index] = hidden.clone()  # the layer adds into it in place
                 hidden = layer.forward_fused(hidden, cos, sin, cache, meta)
             self._keep_aux(streams)
             return self.norm(hidden)
         for index, (layer, cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            self._before_layer(index)
             if index in aux:
                 streams[index] = hidden
             hidden = layer(hidden, cos, sin, cache, meta)
         self._keep_aux(streams)
         return self.norm(hidden)
+
+    def _before_layer(self, index: int) -> None:
+        if self.layer_gate is not None:
+            self.layer_gate.before_layer(index)
 
     def _keep_aux(self, streams: dict[int, torch.Tensor]) -> None:
         if self.aux_layers:

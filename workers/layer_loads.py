@@ -1,0 +1,160 @@
+"""A step's loads from the host tier, layer by layer, under the step that reads them.
+
+A sequence admitted in the step that loads its prefix (router/tier_loads.py) used to wait for
+every layer's blocks before its first layer ran. Here the step's loads go together, a few
+layers at a time (``LAYER_CHUNKS`` chunks), each chunk followed by an event; the model waits
+before each layer only for the chunk that holds it (``LayerGate``), so chunk i + 1 lands while
+the layers of chunk i compute.
+
+The copies read the pinned host slots in place: a kernel reads a layer's share of each slot (at
+a fixed offset in the slot, workers/host_layout.py) through its unified address and writes it
+into the layer's block, one launch a kind of cache tensor a chunk: no staging buffer, no copy
+a run of slots.
+Whether the device reads pinned memory that way is checked once, at start-up
+(``KVOffloader``'s probe): where it can't, loads keep the staged whole-block path.
+
+Cache tensors that are not one of the model's per-layer stacks (a draft model's, an EAGLE
+head's) are copied in the first chunk, which the step waits for before its forward, as before.
+"""
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from math import gcd
+
+import torch
+import triton
+import triton.language as tl
+
+from workers.block_copies import BlockCopies, CopyGroup
+
+LAYER_CHUNKS = 8  # events a step's loads: more overlap, more launches
+MAX_BLOCK_WORDS = 1024
+
+
+@triton.jit
+def _slots_to_blocks_kernel(
+    host_ptr,  # (slots, slot_words) words of pinned host memory, read in place
+    cache_ptr,  # (layers, num_blocks, LAYER_WORDS) words: one kind of cache tensor
+    slot_ptr,  # (pairs,) int64 host slots
+    block_ptr,  # (pairs,) int64 device blocks
+    first_layer,
+    slot_words,  # words of a slot
+    group_offset,  # where layer 0's share of this kind starts in a slot, in words
+    layer_stride,  # words from one layer's share to the next in a slot
+    cache_layer_words,  # words of one layer's cache of this kind
+    LAYER_WORDS: tl.constexpr,  # words of one layer's share of a block
+    BLOCK: tl.constexpr,
+    CHUNKS: tl.constexpr,  # BLOCKs of a layer's share
+):
+    """One program: BLOCK words of one (slot, block) pair's share of one layer."""
+    item = tl.program_id(0)
+    layer = (first_layer + tl.program_id(1)).to(tl.int64)
+    pair = item // CHUNKS
+    col = (item % CHUNKS) * BLOCK + tl.arange(0, BLOCK)
+    mask = col < LAYER_WORDS
+    slot = tl.load(slot_ptr + pair).to(tl.int64)
+    block = tl.load(block_ptr + pair).to(tl.int64)
+    source = host_ptr + slot * slot_words + group_offset + layer * layer_stride + col
+    target = cache_ptr + layer * cache_layer_words + block * LAYER_WORDS + col
+    tl.store(target, tl.load(source, mask=mask), mask=mask)
+
+
+_WORDS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+
+
+def word_bytes(block_bytes: int, groups: Sequence[CopyGroup]) -> int:
+    """The widest word (8 bytes at most) every offset and size of the layout is a multiple
+    of: the kernel moves words, not bytes."""
+    width = gcd(8, block_bytes)
+    for group in groups:
+        width = gcd(width, gcd(group.offset, gcd(group.stride, group.cache.shape[2])))
+    return width
+
+
+@dataclass(frozen=True)
+class _Kind:
+    """A kind of cache tensor as the kernel sees it: words, not bytes."""
+
+    cache: torch.Tensor  # (layers, num_blocks, layer_words)
+    offset: int
+    stride: int
+    per_layer: bool  # one of the model's per-layer stacks: copied chunk by chunk
+
+
+class LayerCopies:
+    """Host slots into device blocks, a range of the model's layers at a time."""
+
+    def __init__(self, host: torch.Tensor, copies: BlockCopies, num_layers: int,
+                 model_tensors: int) -> None:
+        width = word_bytes(copies.block_bytes, copies.groups)
+        word = _WORDS[width]
+        self.host = host.view(word)
+        self.slot_words = copies.block_bytes // width
+        self.num_layers = num_layers
+        self.kinds = [_Kind(group.cache.view(word), group.offset // width, group.stride // width,
+                            group.first_position < model_tensors
+                            and group.cache.shape[0] == num_layers)
+                      for group in copies.groups]
+
+    def chunks(self, num_chunks: int = LAYER_CHUNKS) -> list[tuple[int, int]]:
+        """[first, last) layers of each chunk, in order, every layer in one."""
+        n = max(1, min(num_chunks, self.num_layers))
+        bounds = [round(i * self.num_layers / n) for i in range(n + 1)]
+        return list(zip(bounds[:-1], bounds[1:], strict=True))
+
+    def load(self, slots: torch.Tensor, blocks: torch.Tensor, first: int, last: int) -> None:
+        """Slots ``slots[i]`` into blocks ``blocks[i]`` (int64, on the cache's device) for
+        layers [first, last) of the model's stacks; the first chunk (``first == 0``) also
+        copies every other cache tensor whole."""
+        for kind in self.kinds:
+            if kind.per_layer:
+                self._launch(kind, slots, blocks, first, last)
+            elif first == 0:
+                self._launch(kind, slots, blocks, 0, kind.cache.shape[0])
+
+    def _launch(self, kind: _Kind, slots: torch.Tensor, blocks: torch.Tensor, first: int,
+                last: int) -> None:
+        _, num_blocks, layer_words = kind.cache.shape
+        block = min(MAX_BLOCK_WORDS, triton.next_power_of_2(layer_words))
+        chunks = -(-layer_words // block)
+        _slots_to_blocks_kernel[(len(slots) * chunks, last - first)](
+            self.host, kind.cache, slots, blocks, first, self.slot_words, kind.offset,
+            kind.stride, num_blocks * layer_words,
+            LAYER_WORDS=layer_words, BLOCK=block, CHUNKS=chunks,
+        )  # fmt: skip
+
+
+class LayerGate:
+    """What the model's forward waits for before each layer: the chunks of this step's
+    layer-by-layer loads (``(first layer, event)`` in layer order). Each wait is the compute
+    stream's on the device, and each chunk is waited for once; a copy stream is FIFO, so
+    waiting for a chunk covers those before it."""
+
+    def __init__(self, wait: Callable[[object], None] | None = None) -> None:
+        self._wait = wait if wait is not None else _compute_stream_waits
+        self.pending: list[tuple[int, object]] = []
+
+    def arm(self, chunks: list[tuple[int, object]]) -> None:
+        self.pending = list(chunks)
+
+    def before_layer(self, index: int) -> None:
+        """Layer ``index`` reads and writes the cache next: its chunk has landed."""
+        if not self.pending or self.pending[0][0] > index:
+            return
+        last = None
+        while self.pending and self.pending[0][0] <= index:
+            last = self.pending.pop(0)[1]
+        self._wait(last)
+
+    def wait_all(self) -> None:
+        """Everything armed (before a forward that doesn't wait layer by layer: a CUDA
+        graph's replay; and after the step, whatever its forward did)."""
+        if self.pending:
+            last = self.pending[-1][1]
+            self.pending = []
+            self._wait(last)
+
+
+def _compute_stream_waits(event: object) -> None:
+    if event is not None:
+        torch.cuda.current_stream().wait_event(event)  # type: ignore[arg-type]
