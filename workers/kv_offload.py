@@ -32,10 +32,11 @@ needs a file waits there, off the step, and its copies are queued once the file 
 The host itself waits for a copy only to read or write a slot by CPU (a copy of it for a file,
 or another replica's blocks: ``export`` and ``stage_import`` run on the actor's own thread beside
 the steps, and touch only pinned slots and the staging dict).
-A load whose sequence runs in the step (``BlockLoad.in_step``) goes layer by layer where the
-device reads pinned slots in place (workers/layer_loads.py, checked at start-up): the step's
-loads together, a chunk of layers at a time, each chunk's event waited for by the forward just
-before its layers (``gate``), so most of the copy hides under the layers before it.
+Where the device reads and writes pinned slots in place (workers/pinned_copies.py, checked at
+start-up) no copy goes through the staging buffer: a store is one kernel a kind of cache
+tensor, and the loads whose sequences run in the step (``BlockLoad.in_step``) go together,
+layer by layer, each chunk of layers' event waited for by the forward just before those layers
+(``gate``), so most of the copy hides under the layers before it.
 On the CPU the same code runs with plain tensors: every copy is done when it returns, and
 nothing is ever in flight.
 """
@@ -55,8 +56,9 @@ from kvstore.transfers import BlockLoad, HostImport, KVTransfers, TransferReport
 from workers.block_copies import BlockCopies
 from workers.disk_transfers import DiskTransfers
 from workers.host_layout import BlockLayout, OffloadInfo
-from workers.layer_loads import LayerCopies, LayerGate
+from workers.layer_gate import LayerGate
 from workers.layers.parallel import TensorParallelGroup
+from workers.pinned_copies import PinnedCopies
 from workers.step_input import StepInput
 
 if TYPE_CHECKING:
@@ -95,10 +97,11 @@ class _PendingLoad:
 class KVOffloader:
     def __init__(self, tensors: list[torch.Tensor], num_slots: int, disk_dir: str | None,
                  tp: TensorParallelGroup, stage_blocks: int = STAGE_BLOCKS,
-                 model_layers: tuple[int, int] = (0, 0), layered: bool | None = None) -> None:
+                 model_layers: tuple[int, int] = (0, 0), in_place: bool | None = None) -> None:
         """``model_layers``: (layers, tensors) of the model whose forward waits layer by layer
-        (its tensors first in ``tensors``); (0, 0): none does. ``layered``: whether in-step
-        loads go layer by layer; None: on a GPU that reads pinned slots in place (a probe)."""
+        (its tensors first in ``tensors``); (0, 0): none does. ``in_place``: whether copies
+        read and write the pinned slots in place (in-step loads layer by layer); None: on a
+        GPU that can (a probe)."""
         if num_slots < 1:
             raise ValueError(f"the host KV buffer needs at least 1 slot, got {num_slots}")
         self.tensors = tensors
@@ -120,12 +123,12 @@ class KVOffloader:
                        for kind in (LOAD, STORE)}
         self.copies = BlockCopies(tensors, self.layout)  # one kernel a kind of all layers
         self.gate = LayerGate()  # the model's forward waits here for in-step loads' layers
-        self.layer_copies: LayerCopies | None = None
+        self.pinned: PinnedCopies | None = None
         num_layers, model_tensors = model_layers
-        if num_layers and layered is not False:
-            self.layer_copies = LayerCopies(self.host, self.copies, num_layers, model_tensors)
-            if layered is None and not self._layered_copies_work():
-                self.layer_copies = None
+        if num_layers and in_place is not False:
+            self.pinned = PinnedCopies(self.host, self.copies, num_layers, model_tensors)
+            if in_place is None and not self._in_place_copies_work():
+                self.pinned = None
         directory = Path(disk_dir) / self.layout.tag if disk_dir else None
         self.disk = DiskTransfers(directory, self.layout.tag, self.host, tp, self.device)
         self._disk_step = False  # this step carried disk copies: agree on a failed write
@@ -167,11 +170,11 @@ class KVOffloader:
             best = min(best, time.perf_counter() - started)
         return count * self.layout.block_bytes / max(best, 1e-9)
 
-    def _layered_copies_work(self) -> bool:
-        """Whether the layer-by-layer kernel reads the pinned slots here (a unified address),
-        agreed by every shard: slot 0 into block 0 and back through the staged path, compared;
-        both zeroed again after (nothing is cached yet)."""
-        assert self.layer_copies is not None
+    def _in_place_copies_work(self) -> bool:
+        """Whether the kernel reads and writes the pinned slots here (a unified address),
+        agreed by every shard: slot 0 into block 0, block 0 into slot 1, compared; both
+        zeroed again after (nothing is cached yet)."""
+        assert self.pinned is not None
         if not self.on_gpu:  # every copy is done when it returns: nothing to overlap
             return False
         index = torch.zeros(1, dtype=torch.int64, device=self.device)
@@ -179,14 +182,18 @@ class KVOffloader:
         ok = False
         try:
             self.host[0].copy_(pattern)
-            for first, last in self.layer_copies.chunks():
-                self.layer_copies.load(index, index, first, last)
+            for first, last in self.pinned.chunks():
+                self.pinned.load(index, index, first, last)
             self.copies.gather(index, self.stages[STORE][:1])
-            ok = torch.equal(self.stages[STORE][0].cpu(), pattern)
-        except Exception as error:  # noqa: BLE001 - any failure means: load whole blocks
-            log.warning("host-tier loads go whole blocks at a time: the device does not read "
-                        "pinned host memory in place (%r)", error)
-        self.host[0].zero_()
+            if self.num_slots > 1:
+                self.pinned.store(index, index + 1)
+            self._synchronize()
+            ok = torch.equal(self.stages[STORE][0].cpu(), pattern) and (
+                self.num_slots == 1 or torch.equal(self.host[1], pattern))
+        except Exception as error:  # noqa: BLE001 - any failure means: the staged copies
+            log.warning("host-tier copies go through a staging buffer: the device does not "
+                        "read and write pinned host memory in place (%r)", error)
+        self.host[:2].zero_()
         self.stages[LOAD][:1].zero_()
         self.copies.scatter(index, self.stages[LOAD][:1])
         self._synchronize()
@@ -264,6 +271,9 @@ class KVOffloader:
         """(device block, host slot) copies, device to host, in batches through the staging
         buffer: one gather per kind of cache tensor, then one copy per run of consecutive slots."""
         pairs = sorted(pairs, key=lambda pair: pair[1])
+        if self.pinned is not None and pairs:
+            self._store_in_place(pairs)
+            return
         stage = self.stages[STORE]
         for start in range(0, len(pairs), self.stage_blocks):
             chunk = pairs[start:start + self.stage_blocks]
@@ -279,13 +289,24 @@ class KVOffloader:
                                                        non_blocking=True)
                 self._record(STORE, stores_from=set(blocks), slots=set(slots))
 
+    def _store_in_place(self, pairs: list[tuple[int, int]]) -> None:
+        """Every (device block, host slot) copy in one kernel a kind, into the slots."""
+        assert self.pinned is not None
+        blocks, slots = [b for b, _ in pairs], [s for _, s in pairs]
+        for slot in slots:
+            self.disk.reuse(slot)
+        with self._on_copy_stream(STORE, set(blocks), set(slots)), \
+                self._timed(len(pairs) * self.layout.block_bytes):
+            self.pinned.store(self._to_device(blocks), self._to_device(slots))
+            self._record(STORE, stores_from=set(blocks), slots=set(slots))
+
     def _load_all(self, loads: list[BlockLoad], failed_slots: set[int],
                   in_flight: set[int] | None = None) -> None:
         """Every load; one whose copies raised on any shard is reported with no block
         intact (the engine recomputes its tokens), the others as they land. ``in_flight``:
         the blocks the step in flight uses (a load of none of them need not wait for it);
         None: every load waits."""
-        if self.layer_copies is not None and any(load.in_step for load in loads):
+        if self.pinned is not None and any(load.in_step for load in loads):
             self._load_layered([load for load in loads if load.in_step], in_flight)
             loads = [load for load in loads if not load.in_step]
         started: list[_PendingLoad] = []
@@ -336,7 +357,7 @@ class KVOffloader:
         """The in-step loads together, a chunk of the model's layers at a time, each chunk
         marked by an event the forward waits for before its layers (``gate``). A copy that
         raises fails the step: its sequences' forwards are this step's."""
-        assert self.layer_copies is not None
+        assert self.pinned is not None
         for load in loads:
             if not load.block_ids:  # nothing to copy: landed now
                 self.pending_loads.append(_PendingLoad(load.request_id, 0, None))
@@ -350,12 +371,12 @@ class KVOffloader:
         chunks: list[tuple[int, object]] = []
         try:
             slot_index, block_index = self._to_device(slots), self._to_device(blocks)
-            num_layers = self.layer_copies.num_layers
-            for first, last in self.layer_copies.chunks():
+            num_layers = self.pinned.num_layers
+            for first, last in self.pinned.chunks():
                 num_bytes = len(blocks) * self.layout.block_bytes * (last - first) // num_layers
                 with self._on_copy_stream(LOAD, block_set, slot_set, after_step), \
                         self._timed(num_bytes):
-                    self.layer_copies.load(slot_index, block_index, first, last)
+                    self.pinned.load(slot_index, block_index, first, last)
                     event = self._record(LOAD, loads_into=block_set, slots=slot_set,
                                          layered=True)
                 chunks.append((first, event))

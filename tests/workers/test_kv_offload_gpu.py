@@ -135,7 +135,7 @@ def test_in_step_loads_go_layer_by_layer_and_land_bit_exact(kind):
     tensors = layer_tensors(gpu_caches(dtype, layers=8, scales=kind == "int8+scales"))
     offloader = KVOffloader(tensors, num_slots=32, disk_dir=None, tp=SINGLE,
                             model_layers=(8, len(tensors)))
-    assert offloader.layer_copies is not None
+    assert offloader.pinned is not None
     expected = bits(tensors, [3, 9, 17])
     run(offloader, KVTransfers(stores_first=[(3, 5), (9, 6), (17, 20)]))
     torch.cuda.synchronize()

@@ -45,7 +45,7 @@ from workers.layers.rotary import RotaryEmbedding, apply_rotary
 if TYPE_CHECKING:  # transformers is imported where a config is read, not to run a shard
     from transformers import PretrainedConfig
 
-    from workers.layer_loads import LayerGate
+    from workers.layer_gate import LayerGate
 
 # (fused parameter, checkpoint name, shard id): checkpoint tensors that load into a slice
 STACKED_PARAMS = (
@@ -295,7 +295,7 @@ class LlamaModel(nn.Module):
         self.aux_layers: tuple[int, ...] = ()
         self.aux_features: torch.Tensor | None = None
         # a step that loads KV blocks from the host tier layer by layer: each layer waits for
-        # its own (workers/layer_loads.py); None: nothing to wait for
+        # its own (workers/layer_gate.py); None: nothing to wait for
         self.layer_gate: LayerGate | None = None
         # a state dict holds the checkpoint's weights: loading one unfolds them
         self.register_load_state_dict_pre_hook(lambda *_: setattr(self, "norms_folded", False))

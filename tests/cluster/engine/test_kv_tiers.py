@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 from cluster import LLM, SamplingParams
 from kvstore.block_file import block_file_name
 from kvstore.block_hash import hash_full_blocks
-from workers.layer_loads import LayerGate
+from workers.layer_gate import LayerGate
 
 BS = 4  # tokens per block
 BLOCK_BYTES = 2048  # the tiny llama's block: 2 layers x K and V x 4 tokens x 2 heads x 16 x 4 B
@@ -298,11 +298,12 @@ def test_int8_blocks_and_their_scales_come_back_from_host_and_disk(model, tmp_pa
 
 
 def test_host_hits_loaded_layer_by_layer_give_the_same_tokens(model, expected, monkeypatch):
-    """The GPU's path (workers/layer_loads.py) forced on the CPU, its kernel interpreted:
-    each loading step's forward waits for its second chunk of layers at layer 1."""
+    """The GPU's path (workers/pinned_copies.py) forced on the CPU, its kernel interpreted:
+    stores into the slots in place, and each loading step's forward waits for its second
+    chunk of layers at layer 1."""
     from workers.kv_offload import KVOffloader
 
-    monkeypatch.setattr(KVOffloader, "_layered_copies_work", lambda self: True)
+    monkeypatch.setattr(KVOffloader, "_in_place_copies_work", lambda self: True)
     llm = engine(model, host_kv_cache_gb=gib(100))
     gate = llm.engine.executor.worker.offloader.gate
     arms, waits = [], []

@@ -1,23 +1,25 @@
-"""A step's loads from the host tier, layer by layer, under the step that reads them.
+"""Copies between the device cache and the host tier's pinned slots that read or write the
+slots in place, and a step's loads layer by layer under the step that reads them.
 
 A sequence admitted in the step that loads its prefix (router/tier_loads.py) used to wait for
 every layer's blocks before its first layer ran. Here the step's loads go together, a few
 layers at a time (``LAYER_CHUNKS`` chunks), each chunk followed by an event; the model waits
-before each layer only for the chunk that holds it (``LayerGate``), so chunk i + 1 lands while
-the layers of chunk i compute.
+before each layer only for the chunk that holds it (workers/layer_gate.py), so chunk i + 1
+lands while the layers of chunk i compute.
 
 The copies read the pinned host slots in place: a kernel reads a layer's share of each slot (at
 a fixed offset in the slot, workers/host_layout.py) through its unified address and writes it
 into the layer's block, one launch a kind of cache tensor a chunk: no staging buffer, no copy
-a run of slots.
-Whether the device reads pinned memory that way is checked once, at start-up
-(``KVOffloader``'s probe): where it can't, loads keep the staged whole-block path.
+a run of slots. Stores (the write-through) take the same kernel the other way, every layer in
+one launch a kind, however scattered their slots.
+Whether the device reads and writes pinned memory that way is checked once, at start-up
+(``KVOffloader``'s probe): where it can't, copies keep the staged whole-block path.
 
 Cache tensors that are not one of the model's per-layer stacks (a draft model's, an EAGLE
 head's) are copied in the first chunk, which the step waits for before its forward, as before.
 """
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from math import gcd
 
@@ -32,8 +34,8 @@ MAX_BLOCK_WORDS = 1024
 
 
 @triton.jit
-def _slots_to_blocks_kernel(
-    host_ptr,  # (slots, slot_words) words of pinned host memory, read in place
+def _slot_block_kernel(
+    host_ptr,  # (slots, slot_words) words of pinned host memory, read or written in place
     cache_ptr,  # (layers, num_blocks, LAYER_WORDS) words: one kind of cache tensor
     slot_ptr,  # (pairs,) int64 host slots
     block_ptr,  # (pairs,) int64 device blocks
@@ -45,6 +47,7 @@ def _slots_to_blocks_kernel(
     LAYER_WORDS: tl.constexpr,  # words of one layer's share of a block
     BLOCK: tl.constexpr,
     CHUNKS: tl.constexpr,  # BLOCKs of a layer's share
+    TO_DEVICE: tl.constexpr,  # a load (slot -> block), else a store (block -> slot)
 ):
     """One program: BLOCK words of one (slot, block) pair's share of one layer."""
     item = tl.program_id(0)
@@ -54,9 +57,12 @@ def _slots_to_blocks_kernel(
     mask = col < LAYER_WORDS
     slot = tl.load(slot_ptr + pair).to(tl.int64)
     block = tl.load(block_ptr + pair).to(tl.int64)
-    source = host_ptr + slot * slot_words + group_offset + layer * layer_stride + col
-    target = cache_ptr + layer * cache_layer_words + block * LAYER_WORDS + col
-    tl.store(target, tl.load(source, mask=mask), mask=mask)
+    host = host_ptr + slot * slot_words + group_offset + layer * layer_stride + col
+    device = cache_ptr + layer * cache_layer_words + block * LAYER_WORDS + col
+    if TO_DEVICE:
+        tl.store(device, tl.load(host, mask=mask), mask=mask)
+    else:
+        tl.store(host, tl.load(device, mask=mask), mask=mask)
 
 
 _WORDS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
@@ -81,7 +87,7 @@ class _Kind:
     per_layer: bool  # one of the model's per-layer stacks: copied chunk by chunk
 
 
-class LayerCopies:
+class PinnedCopies:
     """Host slots into device blocks, a range of the model's layers at a time."""
 
     def __init__(self, host: torch.Tensor, copies: BlockCopies, num_layers: int,
@@ -108,53 +114,23 @@ class LayerCopies:
         copies every other cache tensor whole."""
         for kind in self.kinds:
             if kind.per_layer:
-                self._launch(kind, slots, blocks, first, last)
+                self._launch(kind, slots, blocks, first, last, to_device=True)
             elif first == 0:
-                self._launch(kind, slots, blocks, 0, kind.cache.shape[0])
+                self._launch(kind, slots, blocks, 0, kind.cache.shape[0], to_device=True)
+
+    def store(self, blocks: torch.Tensor, slots: torch.Tensor) -> None:
+        """Blocks ``blocks[i]`` into slots ``slots[i]``, every tensor of every layer: one
+        launch a kind, written into the pinned slots in place."""
+        for kind in self.kinds:
+            self._launch(kind, slots, blocks, 0, kind.cache.shape[0], to_device=False)
 
     def _launch(self, kind: _Kind, slots: torch.Tensor, blocks: torch.Tensor, first: int,
-                last: int) -> None:
+                last: int, to_device: bool) -> None:
         _, num_blocks, layer_words = kind.cache.shape
         block = min(MAX_BLOCK_WORDS, triton.next_power_of_2(layer_words))
         chunks = -(-layer_words // block)
-        _slots_to_blocks_kernel[(len(slots) * chunks, last - first)](
+        _slot_block_kernel[(len(slots) * chunks, last - first)](
             self.host, kind.cache, slots, blocks, first, self.slot_words, kind.offset,
             kind.stride, num_blocks * layer_words,
-            LAYER_WORDS=layer_words, BLOCK=block, CHUNKS=chunks,
+            LAYER_WORDS=layer_words, BLOCK=block, CHUNKS=chunks, TO_DEVICE=to_device,
         )  # fmt: skip
-
-
-class LayerGate:
-    """What the model's forward waits for before each layer: the chunks of this step's
-    layer-by-layer loads (``(first layer, event)`` in layer order). Each wait is the compute
-    stream's on the device, and each chunk is waited for once; a copy stream is FIFO, so
-    waiting for a chunk covers those before it."""
-
-    def __init__(self, wait: Callable[[object], None] | None = None) -> None:
-        self._wait = wait if wait is not None else _compute_stream_waits
-        self.pending: list[tuple[int, object]] = []
-
-    def arm(self, chunks: list[tuple[int, object]]) -> None:
-        self.pending = list(chunks)
-
-    def before_layer(self, index: int) -> None:
-        """Layer ``index`` reads and writes the cache next: its chunk has landed."""
-        if not self.pending or self.pending[0][0] > index:
-            return
-        last = None
-        while self.pending and self.pending[0][0] <= index:
-            last = self.pending.pop(0)[1]
-        self._wait(last)
-
-    def wait_all(self) -> None:
-        """Everything armed (before a forward that doesn't wait layer by layer: a CUDA
-        graph's replay; and after the step, whatever its forward did)."""
-        if self.pending:
-            last = self.pending[-1][1]
-            self.pending = []
-            self._wait(last)
-
-
-def _compute_stream_waits(event: object) -> None:
-    if event is not None:
-        torch.cuda.current_stream().wait_event(event)  # type: ignore[arg-type]

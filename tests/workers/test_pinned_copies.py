@@ -1,6 +1,7 @@
-"""In-step loads from the host tier, layer by layer (workers/layer_loads.py): the copy kernel
-(interpreted here) bit-exact for every cache layout, the chunks of layers, the gate the
-forward waits at, and the offloader sending a step's in-step loads through them."""
+"""Copies that read and write the host tier's pinned slots in place (workers/pinned_copies.py)
+and in-step loads layer by layer: the kernel (interpreted here) bit-exact both ways for every
+cache layout, the chunks of layers, the gate the forward waits at (workers/layer_gate.py), and
+the offloader sending its stores and a step's in-step loads through them."""
 
 import pytest
 import torch
@@ -14,9 +15,10 @@ from workers.attention.reference import ReferenceAttentionBackend
 from workers.block_copies import BlockCopies
 from workers.host_layout import BlockLayout, layer_tensors
 from workers.kv_offload import KVOffloader
-from workers.layer_loads import LayerCopies, LayerGate, word_bytes
+from workers.layer_gate import LayerGate
 from workers.layers.parallel import TensorParallelGroup
 from workers.loader import load_model
+from workers.pinned_copies import PinnedCopies, word_bytes
 
 SINGLE = TensorParallelGroup.single()
 
@@ -35,7 +37,7 @@ def test_every_chunk_of_layers_copies_its_layers_shares_bit_exact(kind):
     layout = BlockLayout.of(tensors, tp_size=1)
     host = torch.randint(0, 256, (5, layout.block_bytes), dtype=torch.uint8,
                          generator=torch.Generator().manual_seed(4))
-    copies = LayerCopies(host, BlockCopies(tensors, layout), 3, len(tensors) - 1)
+    copies = PinnedCopies(host, BlockCopies(tensors, layout), 3, len(tensors) - 1)
     assert [k.per_layer for k in copies.kinds] == (
         [True] * 4 if kind == "int8+scales" else [True] * 2) + [False]
     slots, blocks = torch.tensor([4, 0, 2]), torch.tensor([6, 1, 3])
@@ -56,12 +58,27 @@ def test_every_chunk_of_layers_copies_its_layers_shares_bit_exact(kind):
                zip(before, tensors, strict=True))
 
 
+@pytest.mark.parametrize("kind", ["bfloat16", "int8+scales"])
+def test_a_store_writes_every_tensor_of_each_block_into_its_slot_in_place(kind):
+    dtype = getattr(torch, kind.split("+")[0])
+    kv = stacked(caches(dtype, seed=7, layers=3, scales=kind == "int8+scales"))
+    tensors = model_and_draft(kv)
+    layout = BlockLayout.of(tensors, tp_size=1)
+    host = torch.zeros((6, layout.block_bytes), dtype=torch.uint8)
+    copies = PinnedCopies(host, BlockCopies(tensors, layout), 3, len(tensors) - 1)
+    copies.store(torch.tensor([5, 0, 2]), torch.tensor([4, 1, 3]))
+    rows = torch.zeros((3, layout.block_bytes), dtype=torch.uint8)
+    BlockCopies(tensors, layout).gather(torch.tensor([5, 0, 2]), rows)
+    assert torch.equal(host[[4, 1, 3]], rows)
+    assert not host[[0, 2, 5]].any()
+
+
 def test_chunks_cover_every_layer_once_in_order():
     kv = stacked(caches(torch.float32, layers=10))
     tensors = layer_tensors(kv)
     layout = BlockLayout.of(tensors, tp_size=1)
     host = torch.zeros((1, layout.block_bytes), dtype=torch.uint8)
-    copies = LayerCopies(host, BlockCopies(tensors, layout), 10, len(tensors))
+    copies = PinnedCopies(host, BlockCopies(tensors, layout), 10, len(tensors))
     assert copies.chunks() == [(0, 1), (1, 2), (2, 4), (4, 5), (5, 6), (6, 8), (8, 9), (9, 10)]
     assert copies.chunks(3) == [(0, 3), (3, 7), (7, 10)]
     assert copies.chunks(20) == [(i, i + 1) for i in range(10)]
@@ -99,10 +116,10 @@ def test_the_gate_waits_once_for_the_chunk_of_each_layer():
     assert waits == ["a", "c", "b"]
 
 
-def offloader_with_layers(kv, layered=True):
+def offloader_with_layers(kv, in_place=True):
     tensors = layer_tensors(kv)
     return tensors, KVOffloader(tensors, num_slots=6, disk_dir=None, tp=SINGLE,
-                                model_layers=(len(kv), len(tensors)), layered=layered)
+                                model_layers=(len(kv), len(tensors)), in_place=in_place)
 
 
 def test_a_step_s_in_step_loads_go_layer_by_layer_and_the_others_whole_blocks(monkeypatch):
@@ -134,14 +151,14 @@ def test_a_step_s_in_step_loads_go_layer_by_layer_and_the_others_whole_blocks(mo
                zip(originals, blocks_of(tensors, [2]), blocks_of(tensors, [0]), strict=True))
 
 
-def test_on_the_cpu_loads_go_whole_blocks_unless_asked_and_a_gpu_probe_decides_there():
+def test_on_the_cpu_copies_are_staged_unless_asked_and_a_gpu_probe_decides_there():
     kv = stacked(caches(torch.float32, layers=2))
-    assert offloader_with_layers(kv, layered=None)[1].layer_copies is None
-    assert offloader_with_layers(kv, layered=False)[1].layer_copies is None
-    assert offloader_with_layers(kv, layered=True)[1].layer_copies is not None
+    assert offloader_with_layers(kv, in_place=None)[1].pinned is None
+    assert offloader_with_layers(kv, in_place=False)[1].pinned is None
+    assert offloader_with_layers(kv, in_place=True)[1].pinned is not None
     no_model = KVOffloader(layer_tensors(kv), num_slots=2, disk_dir=None, tp=SINGLE,
-                           layered=True)
-    assert no_model.layer_copies is None  # no forward waits layer by layer: nothing to split
+                           in_place=True)
+    assert no_model.pinned is None  # no forward waits layer by layer: nothing to split
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["plain", "fused"])
