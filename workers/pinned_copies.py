@@ -31,6 +31,10 @@ from workers.block_copies import BlockCopies, CopyGroup
 
 LAYER_CHUNKS = 8  # events a step's loads: more overlap, more launches
 MAX_BLOCK_WORDS = 1024
+# programs a launch, over its layers: enough bytes in flight for the bus, few enough SMs that
+# the step beside the copies keeps the rest (a program a word block took every SM: the
+# copies ran beside the forward but not under it)
+COPY_PROGRAMS = 32
 
 
 @triton.jit
@@ -39,6 +43,7 @@ def _slot_block_kernel(
     cache_ptr,  # (layers, num_blocks, LAYER_WORDS) words: one kind of cache tensor
     slot_ptr,  # (pairs,) int64 host slots
     block_ptr,  # (pairs,) int64 device blocks
+    num_items,  # pairs x CHUNKS
     first_layer,
     slot_words,  # words of a slot
     group_offset,  # where layer 0's share of this kind starts in a slot, in words
@@ -48,21 +53,22 @@ def _slot_block_kernel(
     BLOCK: tl.constexpr,
     CHUNKS: tl.constexpr,  # BLOCKs of a layer's share
     TO_DEVICE: tl.constexpr,  # a load (slot -> block), else a store (block -> slot)
+    PROGRAMS: tl.constexpr,  # along axis 0: each program takes every PROGRAMS-th item
 ):
-    """One program: BLOCK words of one (slot, block) pair's share of one layer."""
-    item = tl.program_id(0)
+    """Items of BLOCK words of one (slot, block) pair's share of one layer (axis 1)."""
     layer = (first_layer + tl.program_id(1)).to(tl.int64)
-    pair = item // CHUNKS
-    col = (item % CHUNKS) * BLOCK + tl.arange(0, BLOCK)
-    mask = col < LAYER_WORDS
-    slot = tl.load(slot_ptr + pair).to(tl.int64)
-    block = tl.load(block_ptr + pair).to(tl.int64)
-    host = host_ptr + slot * slot_words + group_offset + layer * layer_stride + col
-    device = cache_ptr + layer * cache_layer_words + block * LAYER_WORDS + col
-    if TO_DEVICE:
-        tl.store(device, tl.load(host, mask=mask), mask=mask)
-    else:
-        tl.store(host, tl.load(device, mask=mask), mask=mask)
+    for item in range(tl.program_id(0), num_items, PROGRAMS):
+        pair = item // CHUNKS
+        col = (item % CHUNKS) * BLOCK + tl.arange(0, BLOCK)
+        mask = col < LAYER_WORDS
+        slot = tl.load(slot_ptr + pair).to(tl.int64)
+        block = tl.load(block_ptr + pair).to(tl.int64)
+        host = host_ptr + slot * slot_words + group_offset + layer * layer_stride + col
+        device = cache_ptr + layer * cache_layer_words + block * LAYER_WORDS + col
+        if TO_DEVICE:
+            tl.store(device, tl.load(host, mask=mask), mask=mask)
+        else:
+            tl.store(host, tl.load(device, mask=mask), mask=mask)
 
 
 _WORDS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
@@ -91,12 +97,13 @@ class PinnedCopies:
     """Host slots into device blocks, a range of the model's layers at a time."""
 
     def __init__(self, host: torch.Tensor, copies: BlockCopies, num_layers: int,
-                 model_tensors: int) -> None:
+                 model_tensors: int, programs: int = COPY_PROGRAMS) -> None:
         width = word_bytes(copies.block_bytes, copies.groups)
         word = _WORDS[width]
         self.host = host.view(word)
         self.slot_words = copies.block_bytes // width
         self.num_layers = num_layers
+        self.programs = programs
         self.kinds = [_Kind(group.cache.view(word), group.offset // width, group.stride // width,
                             group.first_position < model_tensors
                             and group.cache.shape[0] == num_layers)
@@ -129,8 +136,11 @@ class PinnedCopies:
         _, num_blocks, layer_words = kind.cache.shape
         block = min(MAX_BLOCK_WORDS, triton.next_power_of_2(layer_words))
         chunks = -(-layer_words // block)
-        _slot_block_kernel[(len(slots) * chunks, last - first)](
-            self.host, kind.cache, slots, blocks, first, self.slot_words, kind.offset,
+        items = len(slots) * chunks
+        per_layer = max(1, self.programs // (last - first))
+        _slot_block_kernel[(min(items, per_layer), last - first)](
+            self.host, kind.cache, slots, blocks, items, first, self.slot_words, kind.offset,
             kind.stride, num_blocks * layer_words,
             LAYER_WORDS=layer_words, BLOCK=block, CHUNKS=chunks, TO_DEVICE=to_device,
+            PROGRAMS=per_layer,
         )  # fmt: skip

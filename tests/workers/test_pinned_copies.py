@@ -7,6 +7,16 @@ import pytest
 import torch
 
 from kvstore.transfers import BlockLoad, KVTransfers
+from tests.cluster.engine.test_kv_tiers import (  # noqa: F401 - fixtures: model, expected
+    FINDABLE,
+    PROMPTS,
+    engine,
+    expected,
+    generate,
+    gib,
+    hits,
+    model,
+)
 from tests.workers.test_kv_offload import NUM_BLOCKS, bits, blocks_of, caches, stacked
 from tests.workers.triton_interpreter import interpreter_fixes  # noqa: F401
 from workers.attention.layer_cache import LayerKVCache
@@ -164,18 +174,37 @@ def test_on_the_cpu_copies_are_staged_unless_asked_and_a_gpu_probe_decides_there
 @pytest.mark.parametrize("fused", [False, True], ids=["plain", "fused"])
 @pytest.mark.parametrize("num_tokens", [1, 3])
 def test_the_model_waits_at_the_gate_before_each_layer(tiny_models, fused, num_tokens):
-    model, config = load_model(tiny_models["llama"], torch.float32, "cpu", SINGLE,
-                               ReferenceAttentionBackend(), fused=fused)
+    ours, config = load_model(tiny_models["llama"], torch.float32, "cpu", SINGLE,
+                              ReferenceAttentionBackend(), fused=fused)
     seen = []
 
     class Gate:
         def before_layer(self, index):
             seen.append(index)
 
-    model.model.layer_gate = Gate()
+    ours.model.layer_gate = Gate()
     heads, dim = config.num_key_value_heads, config.hidden_size // config.num_attention_heads
     kv = [LayerKVCache(torch.zeros(4, 4, heads, dim), torch.zeros(4, 4, heads, dim))
           for _ in range(config.num_hidden_layers)]
     meta = whole_sequence(num_tokens, 4, torch.device("cpu"))
-    model(torch.arange(5, 5 + num_tokens), torch.arange(num_tokens), kv, meta)
+    ours(torch.arange(5, 5 + num_tokens), torch.arange(num_tokens), kv, meta)
     assert seen == list(range(config.num_hidden_layers))
+
+
+def test_host_hits_loaded_layer_by_layer_give_the_same_tokens(model, expected, monkeypatch):  # noqa: F811
+    """The GPU's path (workers/pinned_copies.py) forced on the CPU, its kernel interpreted:
+    stores into the slots in place, and each loading step's forward waits for its second
+    chunk of layers at layer 1."""
+    monkeypatch.setattr(KVOffloader, "_in_place_copies_work", lambda self: True)
+    llm = engine(model, host_kv_cache_gb=gib(100))
+    gate = llm.engine.executor.worker.offloader.gate
+    arms, waits = [], []
+    monkeypatch.setattr(gate, "arm", lambda chunks: arms.append(
+        [first for first, _ in chunks]) or LayerGate.arm(gate, chunks))
+    monkeypatch.setattr(gate, "_wait", waits.append)
+    generate(llm)
+    llm.engine.scheduler.kv.reset_prefix_cache()
+    assert generate(llm) == expected
+    assert hits(llm)[1] == FINDABLE
+    # a load a prompt (one at a time): chunk 0 before the step, chunk 1 before layer 1
+    assert arms == [[0, 1]] * len(PROMPTS) and len(waits) == 2 * len(PROMPTS)

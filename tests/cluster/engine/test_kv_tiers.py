@@ -14,7 +14,6 @@ from transformers import AutoModelForCausalLM
 from cluster import LLM, SamplingParams
 from kvstore.block_file import block_file_name
 from kvstore.block_hash import hash_full_blocks
-from workers.layer_gate import LayerGate
 
 BS = 4  # tokens per block
 BLOCK_BYTES = 2048  # the tiny llama's block: 2 layers x K and V x 4 tokens x 2 heads x 16 x 4 B
@@ -296,23 +295,3 @@ def test_int8_blocks_and_their_scales_come_back_from_host_and_disk(model, tmp_pa
     assert after[1] > before[1] and after[2] > before[2]  # from the host tier and from disk
     assert after[0] - before[0] == FINDABLE
 
-
-def test_host_hits_loaded_layer_by_layer_give_the_same_tokens(model, expected, monkeypatch):
-    """The GPU's path (workers/pinned_copies.py) forced on the CPU, its kernel interpreted:
-    stores into the slots in place, and each loading step's forward waits for its second
-    chunk of layers at layer 1."""
-    from workers.kv_offload import KVOffloader
-
-    monkeypatch.setattr(KVOffloader, "_in_place_copies_work", lambda self: True)
-    llm = engine(model, host_kv_cache_gb=gib(100))
-    gate = llm.engine.executor.worker.offloader.gate
-    arms, waits = [], []
-    monkeypatch.setattr(gate, "arm", lambda chunks: arms.append(
-        [first for first, _ in chunks]) or LayerGate.arm(gate, chunks))
-    monkeypatch.setattr(gate, "_wait", waits.append)
-    generate(llm)
-    llm.engine.scheduler.kv.reset_prefix_cache()
-    assert generate(llm) == expected
-    assert hits(llm)[1] == FINDABLE
-    # a load a prompt (one at a time): chunk 0 before the step, chunk 1 before layer 1
-    assert arms == [[0, 1]] * len(PROMPTS) and len(waits) == 2 * len(PROMPTS)
