@@ -9,7 +9,8 @@ import sys
 KERNELS = ("_gemv_kernel", "_qkv_rotary_kernel", "_rms_norm_kernel",
            "_attention_input_kernel", "_silu_and_mul_kernel", "_store_kv_kernel",
            "_extend_kernel", "_decode_split_kernel", "_decode_reduce_kernel",
-           "_chunk_max_kernel", "_row_max_kernel", "_push_all_reduce_kernel")
+           "_chunk_max_kernel", "_row_max_kernel", "_push_all_reduce_kernel",
+           "_slot_block_kernel")
 
 
 def test_every_kernel_compiles_for_sm_90():

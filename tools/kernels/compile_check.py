@@ -173,6 +173,30 @@ def compile_all() -> None:
     for vocab in (128256, 151936):  # Llama 3's and Qwen3's; the sampler's logits are float32
         call("greedy tokens", greedy_tokens, torch.zeros(1, vocab))
     compile_push_all_reduce()
+    compile_pinned_copies()
+
+
+def compile_pinned_copies() -> None:
+    """The host tier's in-place copies, both ways, at a 0.5B and an 8B cache's block (one and
+    several word blocks a layer's share) and an int8 cache with its scales."""
+    from workers.attention.layer_cache import LayerKVCache
+    from workers.block_copies import BlockCopies
+    from workers.host_layout import BlockLayout, layer_tensors
+    from workers.pinned_copies import PinnedCopies
+
+    index = torch.zeros(4, dtype=torch.int64)
+    for kv_heads, head_dim, scales in ((2, 64, False), (8, 128, False), (2, 64, True)):
+        element = torch.int8 if scales else torch.bfloat16
+        k, v = (torch.zeros(4, 8, 16, kv_heads, head_dim, dtype=element) for _ in range(2))
+        ks, vs = (torch.zeros(4, 8, 16, kv_heads, dtype=torch.float16) for _ in range(2))
+        caches = [LayerKVCache(k[i], v[i], ks[i] if scales else None, vs[i] if scales else None)
+                  for i in range(4)]
+        tensors = layer_tensors(caches)
+        layout = BlockLayout.of(tensors, 1)
+        host = torch.zeros(8, layout.block_bytes, dtype=torch.uint8)
+        copies = PinnedCopies(host, BlockCopies(tensors, layout), 4, len(tensors))
+        call("pinned load", copies.load, index, index, 0, 2)
+        call("pinned store", copies.store, index, index)
 
 
 def compile_push_all_reduce() -> None:
