@@ -32,11 +32,11 @@ needs a file waits there, off the step, and its copies are queued once the file 
 The host itself waits for a copy only to read or write a slot by CPU (a copy of it for a file,
 or another replica's blocks: ``export`` and ``stage_import`` run on the actor's own thread beside
 the steps, and touch only pinned slots and the staging dict).
-Where the device reads and writes pinned slots in place (workers/pinned_copies.py, checked at
-start-up) no copy goes through the staging buffer: a store is one kernel a kind of cache
-tensor, and the loads whose sequences run in the step (``BlockLoad.in_step``) go together,
-layer by layer, each chunk of layers' event waited for by the forward just before those layers
-(``gate``), so most of the copy hides under the layers before it.
+Where the device reads pinned slots in place (workers/pinned_copies.py, checked at start-up)
+and it is asked to (``in_place``), the loads whose sequences run in the step
+(``BlockLoad.in_step``) skip the staging buffer and go together, layer by layer, each chunk of
+layers' event waited for by the forward just before those layers (``gate``), so most of the
+copy hides under the layers before it.
 On the CPU the same code runs with plain tensors: every copy is done when it returns, and
 nothing is ever in flight.
 """
@@ -99,9 +99,9 @@ class KVOffloader:
                  tp: TensorParallelGroup, stage_blocks: int = STAGE_BLOCKS,
                  model_layers: tuple[int, int] = (0, 0), in_place: bool | None = None) -> None:
         """``model_layers``: (layers, tensors) of the model whose forward waits layer by layer
-        (its tensors first in ``tensors``); (0, 0): none does. ``in_place``: whether copies
-        read and write the pinned slots in place (in-step loads layer by layer); None: on a
-        GPU that can (a probe)."""
+        (its tensors first in ``tensors``); (0, 0): none does. ``in_place``: whether in-step
+        loads read the pinned slots in place, layer by layer; None: on a GPU that can (a
+        probe)."""
         if num_slots < 1:
             raise ValueError(f"the host KV buffer needs at least 1 slot, got {num_slots}")
         self.tensors = tensors
@@ -171,8 +171,8 @@ class KVOffloader:
         return count * self.layout.block_bytes / max(best, 1e-9)
 
     def _in_place_copies_work(self) -> bool:
-        """Whether the kernel reads and writes the pinned slots here (a unified address),
-        agreed by every shard: slot 0 into block 0, block 0 into slot 1, compared; both
+        """Whether the kernel reads the pinned slots here (a unified address), agreed by
+        every shard: slot 0 into block 0 and back through the staged path, compared; both
         zeroed again after (nothing is cached yet)."""
         assert self.pinned is not None
         if not self.on_gpu:  # every copy is done when it returns: nothing to overlap
@@ -185,15 +185,11 @@ class KVOffloader:
             for first, last in self.pinned.chunks():
                 self.pinned.load(index, index, first, last)
             self.copies.gather(index, self.stages[STORE][:1])
-            if self.num_slots > 1:
-                self.pinned.store(index, index + 1)
-            self._synchronize()
-            ok = torch.equal(self.stages[STORE][0].cpu(), pattern) and (
-                self.num_slots == 1 or torch.equal(self.host[1], pattern))
-        except Exception as error:  # noqa: BLE001 - any failure means: the staged copies
-            log.warning("host-tier copies go through a staging buffer: the device does not "
-                        "read and write pinned host memory in place (%r)", error)
-        self.host[:2].zero_()
+            ok = torch.equal(self.stages[STORE][0].cpu(), pattern)
+        except Exception as error:  # noqa: BLE001 - any failure means: the staged loads
+            log.warning("host-tier loads go through a staging buffer: the device does not "
+                        "read pinned host memory in place (%r)", error)
+        self.host[0].zero_()
         self.stages[LOAD][:1].zero_()
         self.copies.scatter(index, self.stages[LOAD][:1])
         self._synchronize()
@@ -271,9 +267,6 @@ class KVOffloader:
         """(device block, host slot) copies, device to host, in batches through the staging
         buffer: one gather per kind of cache tensor, then one copy per run of consecutive slots."""
         pairs = sorted(pairs, key=lambda pair: pair[1])
-        if self.pinned is not None and pairs:
-            self._store_in_place(pairs)
-            return
         stage = self.stages[STORE]
         for start in range(0, len(pairs), self.stage_blocks):
             chunk = pairs[start:start + self.stage_blocks]
@@ -288,17 +281,6 @@ class KVOffloader:
                     self.host[slot:slot + count].copy_(stage[row:row + count],
                                                        non_blocking=True)
                 self._record(STORE, stores_from=set(blocks), slots=set(slots))
-
-    def _store_in_place(self, pairs: list[tuple[int, int]]) -> None:
-        """Every (device block, host slot) copy in one kernel a kind, into the slots."""
-        assert self.pinned is not None
-        blocks, slots = [b for b, _ in pairs], [s for _, s in pairs]
-        for slot in slots:
-            self.disk.reuse(slot)
-        with self._on_copy_stream(STORE, set(blocks), set(slots)), \
-                self._timed(len(pairs) * self.layout.block_bytes):
-            self.pinned.store(self._to_device(blocks), self._to_device(slots))
-            self._record(STORE, stores_from=set(blocks), slots=set(slots))
 
     def _load_all(self, loads: list[BlockLoad], failed_slots: set[int],
                   in_flight: set[int] | None = None) -> None:

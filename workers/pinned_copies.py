@@ -1,5 +1,5 @@
-"""Copies between the device cache and the host tier's pinned slots that read or write the
-slots in place, and a step's loads layer by layer under the step that reads them.
+"""Loads from the host tier's pinned slots that read the slots in place, layer by layer under
+the step that reads them.
 
 A sequence admitted in the step that loads its prefix (router/tier_loads.py) used to wait for
 every layer's blocks before its first layer ran. Here the step's loads go together, a few
@@ -10,10 +10,9 @@ lands while the layers of chunk i compute.
 The copies read the pinned host slots in place: a kernel reads a layer's share of each slot (at
 a fixed offset in the slot, workers/host_layout.py) through its unified address and writes it
 into the layer's block, one launch a kind of cache tensor a chunk: no staging buffer, no copy
-a run of slots. Stores (the write-through) take the same kernel the other way, every layer in
-one launch a kind, however scattered their slots.
-Whether the device reads and writes pinned memory that way is checked once, at start-up
-(``KVOffloader``'s probe): where it can't, copies keep the staged whole-block path.
+a run of slots. (Stores stay staged: written in place they cost a small model's step more,
+docs/experiments.md.) Whether the device reads pinned memory that way is checked once, at
+start-up (``KVOffloader``'s probe): where it can't, loads keep the staged whole-block path.
 
 Cache tensors that are not one of the model's per-layer stacks (a draft model's, an EAGLE
 head's) are copied in the first chunk, which the step waits for before its forward, as before.
@@ -32,14 +31,15 @@ from workers.block_copies import BlockCopies, CopyGroup
 LAYER_CHUNKS = 8  # events a step's loads: more overlap, more launches
 MAX_BLOCK_WORDS = 1024
 # programs a launch, over its layers: enough bytes in flight for the bus, few enough SMs that
-# the step beside the copies keeps the rest (a program a word block took every SM: the
-# copies ran beside the forward but not under it)
-COPY_PROGRAMS = 32
+# the step beside the copies keeps the rest. H100, 512 scattered blocks beside a forward-sized
+# compute (tools/profile/tier_copies.py): 64 hid the most (0.5B shape 9.25 ms against 9.66 at
+# 32, 8B shape 24.55 against 31.95; staged 10.98 / 27.70)
+COPY_PROGRAMS = 64
 
 
 @triton.jit
 def _slot_block_kernel(
-    host_ptr,  # (slots, slot_words) words of pinned host memory, read or written in place
+    host_ptr,  # (slots, slot_words) words of pinned host memory, read in place
     cache_ptr,  # (layers, num_blocks, LAYER_WORDS) words: one kind of cache tensor
     slot_ptr,  # (pairs,) int64 host slots
     block_ptr,  # (pairs,) int64 device blocks
@@ -52,7 +52,6 @@ def _slot_block_kernel(
     LAYER_WORDS: tl.constexpr,  # words of one layer's share of a block
     BLOCK: tl.constexpr,
     CHUNKS: tl.constexpr,  # BLOCKs of a layer's share
-    TO_DEVICE: tl.constexpr,  # a load (slot -> block), else a store (block -> slot)
     PROGRAMS: tl.constexpr,  # along axis 0: each program takes every PROGRAMS-th item
 ):
     """Items of BLOCK words of one (slot, block) pair's share of one layer (axis 1)."""
@@ -63,12 +62,9 @@ def _slot_block_kernel(
         mask = col < LAYER_WORDS
         slot = tl.load(slot_ptr + pair).to(tl.int64)
         block = tl.load(block_ptr + pair).to(tl.int64)
-        host = host_ptr + slot * slot_words + group_offset + layer * layer_stride + col
-        device = cache_ptr + layer * cache_layer_words + block * LAYER_WORDS + col
-        if TO_DEVICE:
-            tl.store(device, tl.load(host, mask=mask), mask=mask)
-        else:
-            tl.store(host, tl.load(device, mask=mask), mask=mask)
+        source = host_ptr + slot * slot_words + group_offset + layer * layer_stride + col
+        target = cache_ptr + layer * cache_layer_words + block * LAYER_WORDS + col
+        tl.store(target, tl.load(source, mask=mask), mask=mask)
 
 
 _WORDS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
@@ -121,18 +117,12 @@ class PinnedCopies:
         copies every other cache tensor whole."""
         for kind in self.kinds:
             if kind.per_layer:
-                self._launch(kind, slots, blocks, first, last, to_device=True)
+                self._launch(kind, slots, blocks, first, last)
             elif first == 0:
-                self._launch(kind, slots, blocks, 0, kind.cache.shape[0], to_device=True)
-
-    def store(self, blocks: torch.Tensor, slots: torch.Tensor) -> None:
-        """Blocks ``blocks[i]`` into slots ``slots[i]``, every tensor of every layer: one
-        launch a kind, written into the pinned slots in place."""
-        for kind in self.kinds:
-            self._launch(kind, slots, blocks, 0, kind.cache.shape[0], to_device=False)
+                self._launch(kind, slots, blocks, 0, kind.cache.shape[0])
 
     def _launch(self, kind: _Kind, slots: torch.Tensor, blocks: torch.Tensor, first: int,
-                last: int, to_device: bool) -> None:
+                last: int) -> None:
         _, num_blocks, layer_words = kind.cache.shape
         block = min(MAX_BLOCK_WORDS, triton.next_power_of_2(layer_words))
         chunks = -(-layer_words // block)
@@ -141,6 +131,5 @@ class PinnedCopies:
         _slot_block_kernel[(min(items, per_layer), last - first)](
             self.host, kind.cache, slots, blocks, items, first, self.slot_words, kind.offset,
             kind.stride, num_blocks * layer_words,
-            LAYER_WORDS=layer_words, BLOCK=block, CHUNKS=chunks, TO_DEVICE=to_device,
-            PROGRAMS=per_layer,
+            LAYER_WORDS=layer_words, BLOCK=block, CHUNKS=chunks, PROGRAMS=per_layer,
         )  # fmt: skip

@@ -67,6 +67,13 @@ if TYPE_CHECKING:
     from workers.speculative.eagle.drafter import EagleDrafter
 
 
+# The host tier's copies in place and layer by layer (workers/pinned_copies.py) stay off in the
+# engine: on an H100 the W4-large run with them failed within a second of its first host hits
+# ("operation not supported on global/shared address space", reported asynchronously; fine
+# with CUDA_LAUNCH_BLOCKING=1, in the GPU tests and in tools/profile/tier_copies.py), cause not
+# found yet (docs/experiments.md). None: on where the start-up probe finds they work.
+ENGINE_COPIES_IN_PLACE: bool | None = False
+
 class Worker:
     def __init__(self, config: WorkerConfig, tp: TensorParallelGroup | None = None) -> None:
         self.config = config
@@ -201,7 +208,8 @@ class Worker:
             model_tensors = len(layer_tensors(self.kv_caches))
             self.offloader = KVOffloader(tensors, num_slots, self.config.disk_kv_cache_dir,
                                          self.tp, model_layers=(len(self.kv_caches),
-                                                                model_tensors))
+                                                                model_tensors),
+                                         in_place=ENGINE_COPIES_IN_PLACE)
             self.model.model.layer_gate = self.offloader.gate
         # what the engine admits: no sequence outgrows its length or the cache
         model_len = self.config.max_model_len or self.hf_config.max_position_embeddings

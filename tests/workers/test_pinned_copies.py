@@ -1,7 +1,7 @@
-"""Copies that read and write the host tier's pinned slots in place (workers/pinned_copies.py)
-and in-step loads layer by layer: the kernel (interpreted here) bit-exact both ways for every
-cache layout, the chunks of layers, the gate the forward waits at (workers/layer_gate.py), and
-the offloader sending its stores and a step's in-step loads through them."""
+"""In-step loads from the host tier that read its pinned slots in place, layer by layer
+(workers/pinned_copies.py): the kernel (interpreted here) bit-exact for every cache layout,
+the chunks of layers, the gate the forward waits at (workers/layer_gate.py), the offloader
+sending a step's in-step loads through them, and an engine forced onto that path."""
 
 import pytest
 import torch
@@ -66,21 +66,6 @@ def test_every_chunk_of_layers_copies_its_layers_shares_bit_exact(kind):
     untouched = [0, 2, 4, 5, 7]
     assert all(torch.equal(a[untouched], bits(t[untouched])) for a, t in
                zip(before, tensors, strict=True))
-
-
-@pytest.mark.parametrize("kind", ["bfloat16", "int8+scales"])
-def test_a_store_writes_every_tensor_of_each_block_into_its_slot_in_place(kind):
-    dtype = getattr(torch, kind.split("+")[0])
-    kv = stacked(caches(dtype, seed=7, layers=3, scales=kind == "int8+scales"))
-    tensors = model_and_draft(kv)
-    layout = BlockLayout.of(tensors, tp_size=1)
-    host = torch.zeros((6, layout.block_bytes), dtype=torch.uint8)
-    copies = PinnedCopies(host, BlockCopies(tensors, layout), 3, len(tensors) - 1)
-    copies.store(torch.tensor([5, 0, 2]), torch.tensor([4, 1, 3]))
-    rows = torch.zeros((3, layout.block_bytes), dtype=torch.uint8)
-    BlockCopies(tensors, layout).gather(torch.tensor([5, 0, 2]), rows)
-    assert torch.equal(host[[4, 1, 3]], rows)
-    assert not host[[0, 2, 5]].any()
 
 
 def test_chunks_cover_every_layer_once_in_order():
@@ -192,9 +177,11 @@ def test_the_model_waits_at_the_gate_before_each_layer(tiny_models, fused, num_t
 
 
 def test_host_hits_loaded_layer_by_layer_give_the_same_tokens(model, expected, monkeypatch):  # noqa: F811
-    """The GPU's path (workers/pinned_copies.py) forced on the CPU, its kernel interpreted:
-    stores into the slots in place, and each loading step's forward waits for its second
-    chunk of layers at layer 1."""
+    """The in-place path forced on the CPU, its kernel interpreted: each loading step's
+    forward waits for its second chunk of layers at layer 1."""
+    import workers.worker
+
+    monkeypatch.setattr(workers.worker, "ENGINE_COPIES_IN_PLACE", None)  # off in the engine
     monkeypatch.setattr(KVOffloader, "_in_place_copies_work", lambda self: True)
     llm = engine(model, host_kv_cache_gb=gib(100))
     gate = llm.engine.executor.worker.offloader.gate

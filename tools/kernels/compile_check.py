@@ -177,8 +177,8 @@ def compile_all() -> None:
 
 
 def compile_pinned_copies() -> None:
-    """The host tier's in-place copies, both ways, at a 0.5B and an 8B cache's block (one and
-    several word blocks a layer's share) and an int8 cache with its scales."""
+    """The host tier's in-place loads at a 0.5B and an 8B cache's block (one and several word
+    blocks a layer's share) and an int8 cache with its scales."""
     from workers.attention.layer_cache import LayerKVCache
     from workers.block_copies import BlockCopies
     from workers.host_layout import BlockLayout, layer_tensors
@@ -196,7 +196,6 @@ def compile_pinned_copies() -> None:
         host = torch.zeros(8, layout.block_bytes, dtype=torch.uint8)
         copies = PinnedCopies(host, BlockCopies(tensors, layout), 4, len(tensors))
         call("pinned load", copies.load, index, index, 0, 2)
-        call("pinned store", copies.store, index, index)
 
 
 def compile_push_all_reduce() -> None:
