@@ -351,17 +351,20 @@ class KVOffloader:
         block_set, slot_set = set(blocks), set(slots)
         after_step = in_flight is None or not in_flight.isdisjoint(block_set)
         chunks: list[tuple[int, object]] = []
+        num_layers = self.pinned.num_layers
         try:
-            slot_index, block_index = self._to_device(slots), self._to_device(blocks)
-            num_layers = self.pinned.num_layers
-            for first, last in self.pinned.chunks():
-                num_bytes = len(blocks) * self.layout.block_bytes * (last - first) // num_layers
-                with self._on_copy_stream(LOAD, block_set, slot_set, after_step), \
-                        self._timed(num_bytes):
-                    self.pinned.load(slot_index, block_index, first, last)
-                    event = self._record(LOAD, loads_into=block_set, slots=slot_set,
-                                         layered=True)
-                chunks.append((first, event))
+            with self._on_copy_stream(LOAD, block_set, slot_set, after_step):
+                # made on the copy stream, which uses them: made on the compute stream, their
+                # memory went back to it on return and a later step's tensor took it while
+                # the copies still read it (W4-large on an H100: a fault, at random)
+                slot_index, block_index = self._to_device(slots), self._to_device(blocks)
+                for first, last in self.pinned.chunks():
+                    size = len(blocks) * self.layout.block_bytes * (last - first) // num_layers
+                    with self._timed(size):
+                        self.pinned.load(slot_index, block_index, first, last)
+                        event = self._record(LOAD, loads_into=block_set, slots=slot_set,
+                                             layered=True)
+                    chunks.append((first, event))
         except RuntimeError as error:
             raise RuntimeError(f"loading {len(blocks)} KV blocks from the host tier for "
                                f"{', '.join(load.request_id for load in loads)}, which run in "

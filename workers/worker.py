@@ -67,11 +67,13 @@ if TYPE_CHECKING:
     from workers.speculative.eagle.drafter import EagleDrafter
 
 
-# The host tier's copies in place and layer by layer (workers/pinned_copies.py) stay off in the
-# engine: on an H100 the W4-large run with them failed within a second of its first host hits
-# ("operation not supported on global/shared address space", reported asynchronously; fine
-# with CUDA_LAUNCH_BLOCKING=1, in the GPU tests and in tools/profile/tier_copies.py), cause not
-# found yet (docs/experiments.md). None: on where the start-up probe finds they work.
+# Host-tier loads in place, layer by layer (workers/pinned_copies.py), stay off in the engine
+# until a GPU run confirms the fix: on an H100 the W4-large run failed within a second of its
+# first host hits ("operation not supported on global/shared address space", asynchronous;
+# fine with CUDA_LAUNCH_BLOCKING=1, in the GPU tests and in tools/profile/tier_copies.py): the
+# kernels' block and slot indices were made on the compute stream, whose next tensors took
+# their memory while the copy stream still read them (now made on the copy stream). None: on
+# where the start-up probe finds the device reads pinned slots in place.
 ENGINE_COPIES_IN_PLACE: bool | None = False
 
 class Worker:

@@ -155,6 +155,31 @@ def test_in_step_loads_go_layer_by_layer_and_land_bit_exact(kind):
 
 
 @pytest.mark.gpu
+def test_in_step_loads_keep_their_indices_while_the_compute_stream_allocates():
+    """The load stream held back (a long kernel queued on it), the compute stream allocates
+    and fills tensors of the index tensors' size class: the loads, once they run, still read
+    their own slots and blocks (their indices live on the load stream's memory)."""
+    tensors = layer_tensors(gpu_caches(torch.bfloat16, layers=8))
+    offloader = KVOffloader(tensors, num_slots=32, disk_dir=None, tp=SINGLE,
+                            model_layers=(8, len(tensors)), in_place=True)
+    expected = bits(tensors, [3, 9, 17])
+    run(offloader, KVTransfers(stores_first=[(3, 5), (9, 6), (17, 20)]))
+    torch.cuda.synchronize()
+    for t in tensors:
+        t.zero_()
+    with torch.cuda.stream(offloader.streams["load"]):
+        torch.cuda._sleep(300_000_000)  # ~0.15 s of GPU clock cycles before the loads
+    loads = KVTransfers(loads=[BlockLoad("a", [5, 6, 20], [30, 31, 40], in_step=True)])
+    offloader.before_step(loads, touched=[], written=[], busy=lambda: set())
+    garbage = [torch.full((3,), 10**12, dtype=torch.int64, device="cuda") for _ in range(256)]
+    offloader.after_step(loads)
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(bits(tensors, [30, 31, 40]), expected,
+                                                  strict=True))
+    del garbage
+
+
+@pytest.mark.gpu
 def test_an_engine_with_host_and_disk_tiers_gives_the_tokens_of_one_without(tiny_models,
                                                                              tmp_path):
     from cluster import LLM, SamplingParams
