@@ -67,15 +67,6 @@ if TYPE_CHECKING:
     from workers.speculative.eagle.drafter import EagleDrafter
 
 
-# Host-tier loads in place, layer by layer (workers/pinned_copies.py), stay off in the engine
-# until a GPU run confirms the fix: on an H100 the W4-large run failed within a second of its
-# first host hits ("operation not supported on global/shared address space", asynchronous;
-# fine with CUDA_LAUNCH_BLOCKING=1, in the GPU tests and in tools/profile/tier_copies.py): the
-# kernels' block and slot indices were made on the compute stream, whose next tensors took
-# their memory while the copy stream still read them (now made on the copy stream). None: on
-# where the start-up probe finds the device reads pinned slots in place.
-ENGINE_COPIES_IN_PLACE: bool | None = False
-
 class Worker:
     def __init__(self, config: WorkerConfig, tp: TensorParallelGroup | None = None) -> None:
         self.config = config
@@ -211,7 +202,8 @@ class Worker:
             self.offloader = KVOffloader(tensors, num_slots, self.config.disk_kv_cache_dir,
                                          self.tp, model_layers=(len(self.kv_caches),
                                                                 model_tensors),
-                                         in_place=ENGINE_COPIES_IN_PLACE)
+                                         in_place=None if self.config.host_loads_in_place
+                                         else False)
             self.model.model.layer_gate = self.offloader.gate
         # what the engine admits: no sequence outgrows its length or the cache
         model_len = self.config.max_model_len or self.hf_config.max_position_embeddings

@@ -34,6 +34,7 @@ class WorkerConfig:
     num_speculative_tokens: int = 0  # the most drafts a row verifies (0: no speculation)
     host_kv_cache_bytes: int = 0  # this shard's host buffer for offloaded KV blocks; 0: none
     disk_kv_cache_dir: str | None = None  # block files below the host buffer (needs one)
+    host_loads_in_place: bool = False  # where the device can: loads layer by layer, in place
     # the model's config as the engine read it (workers/model_config.py); None: read the folder
     model_config: dict | None = None
 

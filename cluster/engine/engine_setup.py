@@ -34,7 +34,8 @@ def worker_config(config: EngineConfig, folder: Path,
         draft_method=speculation.method if speculation is not None and draft else "draft_model",
         num_speculative_tokens=0 if speculation is None else speculation.num_speculative_tokens,
         host_kv_cache_bytes=host_bytes_per_shard(config),
-        disk_kv_cache_dir=config.disk_kv_cache_dir, model_config=model_config,
+        disk_kv_cache_dir=config.disk_kv_cache_dir,
+        host_loads_in_place=config.host_loads_in_place, model_config=model_config,
     )
 
 

@@ -179,11 +179,10 @@ def test_the_model_waits_at_the_gate_before_each_layer(tiny_models, fused, num_t
 def test_host_hits_loaded_layer_by_layer_give_the_same_tokens(model, expected, monkeypatch):  # noqa: F811
     """The in-place path forced on the CPU, its kernel interpreted: each loading step's
     forward waits for its second chunk of layers at layer 1."""
-    import workers.worker
-
-    monkeypatch.setattr(workers.worker, "ENGINE_COPIES_IN_PLACE", None)  # off in the engine
     monkeypatch.setattr(KVOffloader, "_in_place_copies_work", lambda self: True)
-    llm = engine(model, host_kv_cache_gb=gib(100))
+    off = engine(model, host_kv_cache_gb=gib(1))
+    assert off.engine.executor.worker.offloader.pinned is None  # off unless asked
+    llm = engine(model, host_kv_cache_gb=gib(100), host_loads_in_place=True)
     gate = llm.engine.executor.worker.offloader.gate
     arms, waits = [], []
     monkeypatch.setattr(gate, "arm", lambda chunks: arms.append(
