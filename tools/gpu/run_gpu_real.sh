@@ -6,8 +6,10 @@
 # the model with that head against plain decoding.
 # Usage: OUT=<folder> GGUF=<the default model's GGUF on this machine> bash tools/gpu/run_gpu_real.sh
 #   ONLY=<regex> picks stages (together they take longer than one 10-minute device call);
-#   the GGUF goes over in two calls with ../shared/device/carry-model.sh (GGUF=/tmp/real/model),
-#   its conversion needs the gguf wheel (GGUF_WHEELS: a folder holding it, e.g. .real/01).
+#   the GGUF goes over in three calls with `../shared/device/carry-model.sh FILE 45`
+#   (GGUF=/tmp/real/model): two 45 MB parts alone, then the last 4 MB part with .kit (41 MB)
+#   and the gguf wheel (a call carries 64 MiB in all: a 46 MB part beside .kit does not fit);
+#   its conversion needs that wheel (GGUF_WHEELS: the folder holding it, e.g. .real/02).
 #   HEAD_ARGS: more `tandem draft-head train` arguments (default: 4,000 self-written questions,
 #   1,024-token packs, 150 s of training); a head trained in an earlier call stays in
 #   $HEAD_DIR (default /tmp/head) for the stage that measures it.
@@ -20,7 +22,7 @@ MODEL=${MODEL_DIR:-/tmp/real/hf}; HEAD=${HEAD_DIR:-/tmp/head}
 stage() { [[ -z "${ONLY:-}" || "$1" =~ $ONLY ]] || return 0; echo "== $1" | tee -a "$LOG"; shift; timeout "$@" 2>>"$ERR" | tee -a "$LOG"; echo "rc=$?" | tee -a "$LOG"; }
 if [[ ! -f "$MODEL/model.safetensors" ]]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/gguf-wheel \
-    "${GGUF_WHEELS:-.real/01}"/gguf-*.whl || exit 1
+    "${GGUF_WHEELS:-.real/02}"/gguf-*.whl || exit 1
   PYTHONPATH=$PYTHONPATH:/tmp/gguf-wheel python3 -c "import sys; from pathlib import Path; \
 from workers.catalog.gguf_import import convert_gguf; convert_gguf(Path(sys.argv[1]), Path(sys.argv[2]))" \
     "${GGUF:?set GGUF to the GGUF file}" "$MODEL" || exit 1
