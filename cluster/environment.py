@@ -31,9 +31,7 @@ SERVE_THROUGHPUT_OPTIMIZED = Variable(
     "RAY_SERVE_THROUGHPUT_OPTIMIZED", "1", "Ray Serve's throughput-optimized mode for the Ray "
     "instance `tandem serve` starts (`--[no-]throughput-optimized` wins); on a running Ray "
     "cluster, set it in the nodes' environment")
-HOST_LOADS_IN_PLACE = Variable("TANDEM_HOST_LOADS_IN_PLACE", "0", "the default of "
-                               "`host_loads_in_place`: 1 on, 0 off")
-VARIABLES = (CACHE_DIR, API_KEY, PEER_SUM, HOST_LOADS_IN_PLACE, SERVE_THROUGHPUT_OPTIMIZED)
+VARIABLES = (CACHE_DIR, API_KEY, PEER_SUM, SERVE_THROUGHPUT_OPTIMIZED)
 
 
 def cache_dir() -> Path:
@@ -47,10 +45,6 @@ def api_key() -> str | None:
 
 def peer_sum_kernel() -> str:
     return os.environ.get(PEER_SUM.name) or PEER_SUM.default
-
-
-def host_loads_in_place() -> bool:
-    return (os.environ.get(HOST_LOADS_IN_PLACE.name) or HOST_LOADS_IN_PLACE.default) == "1"
 
 
 def set_serve_throughput_optimized(flag: bool | None) -> str:

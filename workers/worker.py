@@ -204,7 +204,8 @@ class Worker:
                                                                 model_tensors),
                                          in_place=None if self.config.host_loads_in_place
                                          else False)
-            self.model.model.layer_gate = self.offloader.gate
+            if self.offloader.pinned is not None:  # else no forward has a layer to wait for
+                self.model.model.layer_gate = self.offloader.gate
         # what the engine admits: no sequence outgrows its length or the cache
         model_len = self.config.max_model_len or self.hf_config.max_position_embeddings
         max_model_len = min(model_len, num_blocks * self.config.block_size)

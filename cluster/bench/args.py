@@ -222,6 +222,10 @@ def add_bench_parsers(subparsers: argparse._SubParsersAction) -> None:
                         help="> 0: compare KV tiers instead of cache on / off: recompute (the "
                         "device cache alone), this host tier, and with --disk-kv-cache-dir a "
                         "quarter of it over that disk tier (cluster/bench/prefix_tiers.py)")
+    prefix.add_argument("--host-loads-in-place", action="store_true",
+                        help="with --host-kv-cache-gb: a run more, its host tier's loads read "
+                        "the pinned slots in place, layer by layer (engine option "
+                        "`host_loads_in_place`)")
     prefix.add_argument("--disk-kv-cache-dir", help="the disk tier's directory (host + disk run)")
     prefix.add_argument("--disk-kv-cache-gb", type=float, default=10.0)
     prefix.set_defaults(handler=run_prefix)

@@ -21,6 +21,9 @@ GB = 1e9
 
 def tier_runs(args: argparse.Namespace) -> dict[str, dict]:
     runs = {"recompute": {}, "host": {"host_kv_cache_gb": args.host_kv_cache_gb}}
+    if args.host_loads_in_place:
+        runs["host, in place"] = {"host_kv_cache_gb": args.host_kv_cache_gb,
+                                  "host_loads_in_place": True}
     if args.disk_kv_cache_dir:
         runs["host+disk"] = {"host_kv_cache_gb": args.host_kv_cache_gb / 4,
                              "disk_kv_cache_dir": args.disk_kv_cache_dir,

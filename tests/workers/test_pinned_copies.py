@@ -182,6 +182,7 @@ def test_host_hits_loaded_layer_by_layer_give_the_same_tokens(model, expected, m
     monkeypatch.setattr(KVOffloader, "_in_place_copies_work", lambda self: True)
     off = engine(model, host_kv_cache_gb=gib(1))
     assert off.engine.executor.worker.offloader.pinned is None  # off unless asked
+    assert off.engine.executor.worker.model.model.layer_gate is None  # no wait a layer
     llm = engine(model, host_kv_cache_gb=gib(100), host_loads_in_place=True)
     gate = llm.engine.executor.worker.offloader.gate
     arms, waits = [], []

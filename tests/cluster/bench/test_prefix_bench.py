@@ -1,5 +1,6 @@
 """`tandem bench prefix`: W4 end to end on tiny models, on one replica and on two over Ray."""
 
+import argparse
 import json
 
 import pytest
@@ -74,3 +75,15 @@ def test_a_negative_request_rate_is_refused(tiny_models, capsys):
     assert main(["bench", "prefix", "--model", str(tiny_models["llama"]), *TIERS,
                  "--request-rate", "-1"]) == 2
     assert capsys.readouterr().err == "tandem: error: --request-rate must be at least 0, got -1.0\n"
+
+
+def test_loads_in_place_are_a_run_more_beside_the_plain_host_tier():
+    from cluster.bench.prefix_tiers import tier_runs
+
+    args = argparse.Namespace(host_kv_cache_gb=8.0, host_loads_in_place=True,
+                              disk_kv_cache_dir=None, disk_kv_cache_gb=10.0)
+    assert tier_runs(args) == {"recompute": {}, "host": {"host_kv_cache_gb": 8.0},
+                               "host, in place": {"host_kv_cache_gb": 8.0,
+                                                  "host_loads_in_place": True}}
+    args.host_loads_in_place = False
+    assert list(tier_runs(args)) == ["recompute", "host"]
