@@ -110,3 +110,22 @@ def test_min_tokens_holds_eos_back_as_transformers_does(llm):
                                                 stop=["Paris"], min_tokens=at_least))[0]
     assert "Paris" in stopped.text[: len(natural.text)]  # not cut where it first appears
     assert len(stopped.token_ids) >= at_least
+
+
+def test_the_shipped_eagle3_head_drafts_the_same_tokens_and_is_accepted(llm):
+    """`{"method": "eagle3", "model": "smollm2-135m-instruct-eagle3"}` works out of the box:
+    the packaged head (hash-checked) keeps the plain engine's greedy tokens, and its drafts
+    are accepted (a random head of this shape makes ~1.0 tokens a verify)."""
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    conversations = [[{"role": "user", "content": q}] for q in QUESTIONS]
+    plain = llm.chat(conversations, params)
+    eagle = LLM(DEFAULT_MODEL, device="cpu", dtype="float32", block_size=16, num_kv_blocks=256,
+                speculative_config={"method": "eagle3", "model": "smollm2-135m-instruct-eagle3",
+                                    "num_speculative_tokens": 3, "adaptive": False})
+    drafted = eagle.chat(conversations, params)
+    assert [o.token_ids for o in drafted] == [o.token_ids for o in plain]
+    stats = eagle.stats()
+    verifies = stats.spec_decode_num_drafts
+    per_position = eagle.engine.metrics.spec_decode_accepted_per_position[:3]
+    assert verifies > 0 and per_position[0] >= per_position[1] >= per_position[2]
+    assert (stats.spec_decode_num_accepted_tokens + verifies) / verifies > 1.4
