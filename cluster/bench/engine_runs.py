@@ -110,6 +110,7 @@ def run_requests(llm: LLM, requests: list[Request], device: torch.device,
         # kernels compiled inside the timed run (each a stall of up to a second): a warm-up gap
         "triton_compiles": compiles.since(compiles_before),
         "token_ids": [out.token_ids for out in outputs],
+        "ttft_each_s": ttfts,  # in the requests' order: a caller's percentiles of a part
     }
 
 

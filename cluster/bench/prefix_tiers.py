@@ -12,7 +12,7 @@ CUDA events), against the host-copy bandwidth the engine measured at start-up in
 import argparse
 import shutil
 
-from cluster.bench.engine_runs import release
+from cluster.bench.engine_runs import percentiles, release
 from cluster.bench.report import markdown_table, publish
 from cluster.bench.workloads import Request
 
@@ -55,6 +55,15 @@ def tier_figures(llm) -> dict:
     }
 
 
+def pass_ttfts(ttfts: list[float], args: argparse.Namespace) -> dict:
+    """TTFT of the first pass over the groups (every prefix new: the tiers' stores) and of
+    the repeats (the tiers' loads), where requests come pass by pass (--pass-major)."""
+    if not args.pass_major:
+        return {}
+    return {"ttft_first_pass_s": percentiles(ttfts[:args.num_groups]),
+            "ttft_repeats_s": percentiles(ttfts[args.num_groups:])}
+
+
 def prefix_tiers(args: argparse.Namespace, setup, requests: list[Request],
                  warmup: list[Request], arrivals: list[float] | None = None) -> int:
     """``arrivals``: each request's time from the start (None: all at once)."""
@@ -67,6 +76,7 @@ def prefix_tiers(args: argparse.Namespace, setup, requests: list[Request],
         before = tier_figures(llm)
         result = setup.run(llm, requests, arrivals)
         result.pop("token_ids")
+        result |= pass_ttfts(result.pop("ttft_each_s"), args)
         after = tier_figures(llm)
         for hits in ("host_cache_hits", "disk_cache_hits"):  # this run's, not the warm-up's
             if hits in after:
@@ -77,6 +87,7 @@ def prefix_tiers(args: argparse.Namespace, setup, requests: list[Request],
         print(f"{name}: computed {result['prompt_tokens_computed']}, TTFT p50 "
               f"{result['ttft_s']['p50'] * 1e3:.0f} ms p99 {result['ttft_s']['p99'] * 1e3:.0f} ms"
               f", {result['output_tokens_per_s']:.0f} output tok/s, tiers {after}", flush=True)
+    passes = "ttft_repeats_s" in results["recompute"]
     rows = []
     for name, r in results.items():
         t = r["tiers"]
@@ -85,12 +96,16 @@ def prefix_tiers(args: argparse.Namespace, setup, requests: list[Request],
         rows.append([name, r["prompt_tokens_computed"], r["ttft_s"]["p50"] * 1e3,
                      r["ttft_s"]["p99"] * 1e3, r["tpot_s"]["p50"] * 1e3,
                      r["output_tokens_per_s"], r["total_tokens_per_s"],
-                     rate, measured, t.get("host_cache_hits"), t.get("disk_cache_hits")])
+                     rate, measured, t.get("host_cache_hits"), t.get("disk_cache_hits")]
+                    + ([r["ttft_first_pass_s"]["p50"] * 1e3, r["ttft_repeats_s"]["p50"] * 1e3]
+                       if passes else []))
     load = f", {args.request_rate:g} req/s" if arrivals is not None else ", all at once"
     table = markdown_table([f"W4 tiers{load}", "prompt tokens computed", "TTFT p50 ms",
                             "TTFT p99 ms", "TPOT p50 ms", "output tok/s", "total tok/s",
                             "transfer GB/s", "host copy GB/s (measured)", "host hits",
-                            "disk hits"], rows)
+                            "disk hits"]
+                           + (["TTFT p50 first pass ms", "TTFT p50 repeats ms"] if passes else []),
+                           rows)
     recompute = results["recompute"]["ttft_s"]["p50"]
     table += f"\n\nTTFT p50 recompute / host {recompute / results['host']['ttft_s']['p50']:.1f}x"
     if "host+disk" in results:

@@ -57,6 +57,19 @@ def test_the_host_tier_run_beside_recompute_all_at_once(tiny_models, tmp_path):
     assert host["tiers"]["host_cache_hits"] == 67 * 4
     assert host["prompt_tokens_computed"] == 16 * 40 - 7 * 4 - 67 * 4
     assert record["table"].startswith("| W4 tiers, all at once |")
+    assert "ttft_each_s" not in host and host["ttft_repeats_s"]["p50"] > 0
+    assert "| TTFT p50 first pass ms | TTFT p50 repeats ms |" in record["table"]
+
+
+def test_pass_by_pass_the_first_pass_and_the_repeats_have_their_own_ttft():
+    from cluster.bench.prefix_tiers import pass_ttfts
+
+    args = argparse.Namespace(pass_major=True, num_groups=4)
+    # the groups' first requests (new prefixes) took 10-40 ms, their repeats 1-4 ms
+    figures = pass_ttfts([0.04, 0.01, 0.03, 0.02, 0.002, 0.004, 0.001, 0.003], args)
+    assert (figures["ttft_first_pass_s"]["p50"], figures["ttft_repeats_s"]["p50"]) == (0.02, 0.002)
+    assert (figures["ttft_first_pass_s"]["p99"], figures["ttft_repeats_s"]["p99"]) == (0.04, 0.004)
+    assert pass_ttfts([0.04, 0.01], argparse.Namespace(pass_major=False, num_groups=1)) == {}
 
 
 def test_the_tier_runs_take_poisson_arrivals(tiny_models, tmp_path):
