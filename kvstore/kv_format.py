@@ -35,13 +35,17 @@ tiers, speculation, tensor parallelism (a rank rotates its own heads), CUDA grap
 a block is bytes whose meaning the format names. A head_dim that is no power of two has no
 Sylvester matrix: such a model's keys are stored unrotated (``rotates_keys``).
 
-Keys centered (``center_keys``, int8 only, with the rotation): before it, each layer's keys lose
-a fixed vector m per kv head, their mean over a calibration pass at start-up
+Keys centered (``center_keys``; int8 with the rotation, fp8 without one): before it, each
+layer's keys lose a fixed vector m per kv head, their mean over a calibration pass at start-up
 (workers/attention/key_centers.py). Softmax is blind to it: q . (k - m) = q . k - q . m, and
 q . m is the same for every key a query sees, so the attention is unchanged while the int8 step
 no longer spends itself on what all keys share. Why: Qwen2.5's k_proj bias, turned by rotary,
 is most of every key row (Qwen2.5-Coder-0.5B, layer 0: absmax 129-146, RMS ~35, nearly all of
-it the bias); centered, top-1 agreement goes 95.3% -> 99.1% there (docs/benchmarks.md). m is a
+it the bias); centered, top-1 agreement goes 95.3% -> 99.1% there (docs/benchmarks.md).
+e4m3 gives each element its own exponent, but a shared component still sets the elements'
+magnitudes and so their steps (3 mantissa bits: 1/16 of the element): centered, fp8 on
+Qwen2.5-Coder-0.5B goes 93.9% -> 96.4% top-1, mean KL 1.6e-2 -> 2.2e-3; SmolLM2-135M (no k
+bias) 96.5% -> 96.6%. m is a
 number of the process, not of the format: the engine hashes its digest into the blocks' keys,
 so a block centered by another m (another dtype or device) is never mixed in.
 
@@ -65,7 +69,7 @@ class KVFormat:
     element_bytes: int
     max_abs: float | None = None  # the largest quantized magnitude; None: not quantized
     rotate_keys: bool = False  # keys stored times the Hadamard matrix, where head_dim allows
-    center_keys: bool = False  # and less their calibrated mean first (rotated keys only)
+    center_keys: bool = False  # stored less their calibrated mean (before any rotation)
 
     @property
     def quantized(self) -> bool:
@@ -81,9 +85,10 @@ class KVFormat:
         return self.rotate_keys and head_dim > 0 and head_dim & (head_dim - 1) == 0
 
     def centers_keys(self, head_dim: int) -> bool:
-        """Whether keys are stored less their calibrated mean (only where they are rotated:
-        the store that rotates them is the one that subtracts)."""
-        return self.center_keys and self.rotates_keys(head_dim)
+        """Whether keys are stored less their calibrated mean. A format that rotates keys
+        centers them only where they are rotated (the store that rotates them subtracts);
+        one that does not rotate (fp8) centers them in the attention-input kernel."""
+        return self.center_keys and (self.rotates_keys(head_dim) or not self.rotate_keys)
 
     @property
     def hash_key(self) -> str | None:
@@ -107,8 +112,19 @@ class KVFormat:
 
 
 INT8 = KVFormat("int8", "int8", 1, 127.0, rotate_keys=True, center_keys=True)
-FP8 = KVFormat("fp8", "float8_e4m3fn", 1, 448.0)  # unrotated keys: see above
+FP8 = KVFormat("fp8", "float8_e4m3fn", 1, 448.0, center_keys=True)  # unrotated: see above
 QUANTIZED_FORMATS = (INT8, FP8)
+
+
+# what a format costs in accuracy where a one-byte format with a better figure exists: said at
+# start-up (top-1 agreement with an unquantized cache, `tandem bench kv-accuracy`, CPU float32;
+# docs/benchmarks.md)
+ACCURACY_NOTES = {
+    "fp8": "kv_cache_dtype 'fp8' (e4m3, 3 mantissa bits) agrees less with an unquantized cache "
+           "than 'int8' does: top-1 agreement 96.6% against int8's 99.3% on SmolLM2-135M, "
+           "96.4% against 99.1% on Qwen2.5-Coder-0.5B (docs/benchmarks.md); choose 'int8' "
+           "for the same memory and better accuracy",
+}
 
 
 def check_kv_cache_dtype(name: str) -> None:

@@ -35,9 +35,10 @@ class EngineConfig:
     block_size: int = option(16, "tokens per KV block")
     kv_cache_dtype: str = option("auto", "how the KV cache stores K and V: `auto` (as `dtype`), "
                                  "`int8` or `fp8` (e4m3; GPUs of compute capability 8.9+), "
-                                 "each with a scale per token and head (int8's keys "
-                                 "centered and Hadamard-rotated where head_dim is a power "
-                                 "of two): about twice the blocks of bfloat16")
+                                 "each with a scale per token and head, keys less each "
+                                 "layer's calibrated mean (int8's also Hadamard-rotated "
+                                 "where head_dim is a power of two): about twice the "
+                                 "blocks of bfloat16; fp8 is the less accurate")
     num_kv_blocks: int | None = option(None, "KV blocks in all; by default as many as "
                                        "`cpu_kv_cache_gb` or `gpu_memory_utilization` allow",
                                        shown="from memory")

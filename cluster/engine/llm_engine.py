@@ -54,7 +54,7 @@ from cluster.engine.tokenizer import (
 )
 from kvstore.disk_tier import check_directory
 from kvstore.kv_cache_manager import KVCacheManager
-from kvstore.kv_format import hash_key_of
+from kvstore.kv_format import ACCURACY_NOTES, hash_key_of
 from router.sampling_params import SEED_END, SamplingParams
 from router.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from router.sequence import FinishReason, Sequence
@@ -118,6 +118,8 @@ class LLMEngine:
         # the model as the user named it isolates caches of different models, and a quantized
         # format blocks of another format (one a tier or a peer could hand over); the router
         # hashes prompts with the same keys (kv_hash_keys) to find them in the directory
+        if config.kv_cache_dtype in ACCURACY_NOTES:
+            log.warning(ACCURACY_NOTES[config.kv_cache_dtype])
         format_key = hash_key_of(config.kv_cache_dtype)  # with the keys' rotation: kvstore
         extra_keys = (config.model,) if format_key is None else (config.model, format_key)
         centers = self.executor.key_centers_digest()  # int8 keys less a calibrated mean

@@ -17,7 +17,8 @@ def test_each_name_stands_for_its_elements_and_scales():
     assert kv_format("auto", "bfloat16") == KVFormat("auto", "bfloat16", 2)
     assert kv_format("auto", "float32") == KVFormat("auto", "float32", 4)
     assert kv_format("int8", "bfloat16") == INT8 == KVFormat("int8", "int8", 1, 127.0, True, True)
-    assert kv_format("fp8", "float32") == FP8 == KVFormat("fp8", "float8_e4m3fn", 1, 448.0)
+    assert kv_format("fp8", "float32") == FP8 == KVFormat("fp8", "float8_e4m3fn", 1, 448.0,
+                                                          center_keys=True)
     assert not kv_format("auto", "float16").quantized and INT8.quantized and FP8.quantized
     assert (kv_format("auto", "bfloat16").scale_bytes, INT8.scale_bytes, FP8.scale_bytes) == (
         0, 2, 2)
@@ -28,7 +29,8 @@ def test_int8_rotates_keys_of_a_power_of_two_head_dim_and_says_so_in_the_hash():
     assert [INT8.rotates_keys(d) for d in (1, 64, 128, 0, 24, 80, 96)] == [True] * 3 + [False] * 4
     assert not FP8.rotates_keys(64) and not auto.rotates_keys(64)
     assert (INT8.hash_key, FP8.hash_key, auto.hash_key) == (
-        "kv_cache_dtype=int8+hadamard-keys+centered-keys", "kv_cache_dtype=fp8", None)
+        "kv_cache_dtype=int8+hadamard-keys+centered-keys", "kv_cache_dtype=fp8+centered-keys",
+        None)
     assert [hash_key_of(n) for n in ("auto", "int8", "fp8")] == [None, INT8.hash_key, FP8.hash_key]
     with pytest.raises(ValueError, match=r"^unknown kv_cache_dtype 'int4' \(choose from auto, "
                                          r"int8, fp8\)$"):

@@ -29,6 +29,8 @@ def test_every_kernel_compiles_for_sm_90():
         for element in ("*i8", "*fp8e4nv"):
             assert any(line.startswith(kernel + " ") and element in line
                        and "'QUANTIZED': True" in line for line in compiled), (kernel, element)
+    assert any(line.startswith("_attention_input_kernel ") and "*fp8e4nv" in line
+               and "'CENTERED': True" in line for line in compiled)  # fp8's centered keys
     gemv = [line for line in compiled if line.startswith("_gemv_kernel ")]
     for dtype in ("*bf16", "*fp16", "*fp32"):  # the activation dtypes
         assert any(dtype in line for line in gemv), f"no {dtype} one-token projection"

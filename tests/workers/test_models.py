@@ -84,11 +84,12 @@ def metadata(start: int, end: int) -> AttentionMetadata:
 
 
 @torch.no_grad()
-def prefill_then_decode(model, config, token_ids, tp_size: int = 1, kv_format=None):
+def prefill_then_decode(model, config, token_ids, tp_size: int = 1, kv_format=None,
+                        key_centers=None):
     """(prefill logits (12, vocab), decode logits (1, vocab)) through a fresh paged cache, in
-    kv_format (kvstore/kv_format.py; None: float32)."""
+    kv_format (kvstore/kv_format.py; None: float32), its keys less ``key_centers``."""
     caches = allocate_kv_caches(config, tp_size, NUM_BLOCKS, BLOCK_SIZE, torch.float32,
-                                torch.device("cpu"), kv_format)
+                                torch.device("cpu"), kv_format, key_centers)
     outputs = []
     for start, end in [(0, PROMPT_LEN), (PROMPT_LEN, PROMPT_LEN + 1)]:
         hidden = model(token_ids[start:end], torch.arange(start, end), caches, metadata(start, end))

@@ -264,6 +264,8 @@ def compile_quantized_kv(dtype: torch.dtype, element: torch.dtype, hidden: int, 
     call(f"attention input, per-head norms, row scale, {what}", attention_input, qkv, heads,
          rows, rows, cache, cache, slots, norm, norm, eps=1e-6,
          row_scale=(torch.zeros(64, hidden, dtype=dtype), 1e-6), **scales)
+    call(f"attention input, centered keys, {what}", attention_input, qkv, heads, rows, rows,
+         cache, cache, slots, key_center=torch.zeros(kv_heads, head_dim, dtype=dtype), **scales)
 
 
 def main() -> None:

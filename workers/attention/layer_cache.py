@@ -19,9 +19,9 @@ class LayerKVCache:
     matrix (after rotary), so whoever writes keys or attends over them rotates k and q by it
     first (workers/attention/key_rotation.py); one tensor shared by every layer.
 
-    key_center (kv_heads, head_dim), model dtype, or None: with a rotation, the keys are
-    stored less this layer's center before they are rotated (workers/attention/key_centers.py);
-    queries are not (softmax is blind to it)."""
+    key_center (kv_heads, head_dim), model dtype, or None: the keys are stored less this
+    layer's center, before any rotation (workers/attention/key_centers.py); queries are not
+    (softmax is blind to it)."""
 
     k: torch.Tensor
     v: torch.Tensor
@@ -41,8 +41,8 @@ class LayerKVCache:
             raise ValueError(f"a key rotation of shape {tuple(self.key_rotation.shape)} does "
                              f"not fit head_dim {head_dim}")
         if self.key_center is not None:
-            if self.key_rotation is None:
-                raise ValueError("keys are centered only in a cache of rotated keys")
+            if not self.quantized:
+                raise ValueError("keys are centered only in a quantized cache")
             if self.key_center.shape != self.k.shape[2:]:
                 raise ValueError(f"a key center of shape {tuple(self.key_center.shape)} does "
                                  f"not fit {self.k.shape[2]} kv heads of head_dim {head_dim}")

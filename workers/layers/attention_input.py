@@ -14,7 +14,9 @@ one program per token reads the token's row of the qkv output once::
 It rounds where the plain layers round (the norm's output, rotary's output, the cache's
 dtype), so the two agree as far as summation order allows. Into a quantized cache (int8,
 e4m3) each k and v head is quantized with its own scale as store_kv would (the absmax of the
-head's two rotated halves), the scales beside the cache (workers/attention/kv_quant.py).
+head's two rotated halves), the scales beside the cache (workers/attention/kv_quant.py); with
+``key_center`` (a cache of centered, unrotated keys: fp8) the k heads lose the layer's center
+first, rounded as ``stored_keys``' subtraction in the activation dtype.
 
 With ``row_scale`` the qkv projection was given the layer's input unnormalized, its weight
 holding the input RMSNorm's weight (LlamaModel.fold_norm_weights): the program first takes
@@ -80,6 +82,21 @@ def _normed_rotated_heads(
 
 
 @triton.jit
+def _centered(k1, k2, center_ptr, kv_heads, offs, kv_mask, HALF: tl.constexpr,
+              CENTERED: tl.constexpr):
+    """The k heads' halves less the layer's center (kv_heads, HEAD_DIM) when CENTERED: the
+    difference in float32, rounded to the activation dtype (as torch subtracts two tensors of
+    that dtype)."""
+    if CENTERED:
+        dtype = k1.dtype
+        c1 = tl.load(center_ptr + kv_heads * (2 * HALF) + offs, mask=kv_mask, other=0.0)
+        c2 = tl.load(center_ptr + kv_heads * (2 * HALF) + HALF + offs, mask=kv_mask, other=0.0)
+        k1 = (k1.to(tl.float32) - c1.to(tl.float32)).to(dtype)
+        k2 = (k2.to(tl.float32) - c2.to(tl.float32)).to(dtype)
+    return k1, k2
+
+
+@triton.jit
 def _store_k_heads(k1, k2, k_cache, k_scale_ptr, scale_index, kv_mask, head_mask,
                    HALF: tl.constexpr, QUANTIZED: tl.constexpr, MAX_ABS: tl.constexpr,
                    IS_INT: tl.constexpr):
@@ -120,6 +137,7 @@ def _attention_input_kernel(
     k_scale_ptr,  # (num_blocks, block_size, kv_heads) float16, contiguous, when QUANTIZED
     v_scale_ptr,
     slot_ptr,  # (T,) int64, below 0 for a padding token
+    center_ptr,  # (kv_heads, HEAD_DIM) in the activation dtype, when CENTERED
     scale_rows_ptr,  # (T, scale_size), row stride stride_s, when ROW_SCALE
     stride_t,
     stride_cos,
@@ -141,6 +159,7 @@ def _attention_input_kernel(
     QUANTIZED: tl.constexpr,  # int8 or e4m3 cache elements, scales beside them
     MAX_ABS: tl.constexpr,
     IS_INT: tl.constexpr,
+    CENTERED: tl.constexpr,  # k heads stored less the layer's center
 ):
     HALF: tl.constexpr = HEAD_DIM // 2
     token = tl.program_id(0).to(tl.int64)
@@ -174,6 +193,8 @@ def _attention_input_kernel(
         heads_1d = tl.arange(0, BLOCK_KV)
         scale_index = slot * num_kv_heads + heads_1d
         head_mask = heads_1d < num_kv_heads
+        k1, k2 = _centered(k1, k2, center_ptr, kv_heads, offs, kv_mask, HALF,
+                           CENTERED)
         _store_k_heads(k1, k2, k_cache_ptr + cache_row + offs, k_scale_ptr, scale_index, kv_mask,
                        head_mask, HALF, QUANTIZED, MAX_ABS, IS_INT)
         offs_d = tl.arange(0, BLOCK_D)[None, :]
@@ -199,6 +220,7 @@ def attention_input(
     row_scale: tuple[torch.Tensor, float] | None = None,  # (rows (T, hidden), eps)
     k_scale: torch.Tensor | None = None,  # (num_blocks, block_size, kv_heads): int8/e4m3 only
     v_scale: torch.Tensor | None = None,
+    key_center: torch.Tensor | None = None,  # (kv_heads, head_dim): quantized caches only
 ) -> torch.Tensor:
     """q (T, heads, head_dim) for the attention kernel, after the optional per-head norms and
     rotary; k (normed and turned the same way) and v are written into the cache at each token's
@@ -206,7 +228,9 @@ def attention_input(
     int8 or e4m3 elements takes k and v quantized, their scales into k_scale and v_scale.
 
     row_scale (rows, eps): each qkv row is first multiplied by 1 / RMS of the token's row of
-    rows, for a qkv projection that took the layer's input before its RMSNorm."""
+    rows, for a qkv projection that took the layer's input before its RMSNorm.
+
+    key_center: the k heads are stored less it (a quantized cache of centered keys)."""
     num_tokens, width = qkv.shape
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     if width != (num_heads + 2 * num_kv_heads) * head_dim or qkv.stride(1) != 1:
@@ -217,6 +241,11 @@ def attention_input(
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("the KV cache must be contiguous")
     scales = check_scales(k_cache, k_scale, v_scale)
+    if key_center is not None and (k_scale is None or key_center.dtype != qkv.dtype
+                                   or key_center.shape != (num_kv_heads, head_dim)
+                                   or not key_center.is_contiguous()):
+        raise ValueError(f"a key center must be a contiguous ({num_kv_heads}, {head_dim}) "
+                         f"tensor of {qkv.dtype} beside a quantized cache")
     if head_dim % 2 or cos.shape != (num_tokens, head_dim) or sin.shape != cos.shape:
         raise ValueError(f"cos and sin must be ({num_tokens}, {head_dim}), head_dim even")
     scale_rows, scale_eps = row_scale if row_scale is not None else (qkv, 0.0)
@@ -238,6 +267,7 @@ def attention_input(
         v_cache,
         *scales,
         slot_mapping,
+        key_center if key_center is not None else qkv,
         scale_rows,
         qkv.stride(0),
         cos.stride(0),
@@ -257,5 +287,6 @@ def attention_input(
         BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_HALF=triton.next_power_of_2(head_dim // 2),
         **quant_constants(k_cache),
+        CENTERED=key_center is not None,
     )
     return q

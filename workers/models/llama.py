@@ -199,7 +199,7 @@ class LlamaAttention(nn.Module):
         else:
             q = attention_input(qkv, heads, cos, sin, cache.k, cache.v, meta.slot_mapping,
                                 *norms, eps=eps, row_scale=row_scale, k_scale=cache.k_scale,
-                                v_scale=cache.v_scale)  # fmt: skip
+                                v_scale=cache.v_scale, key_center=cache.key_center)  # fmt: skip
         return self.backend.attend(q, cache, meta, scale=self.scale).flatten(1)
 
 

@@ -6,6 +6,7 @@ import torch
 
 from cluster import LLM, EngineConfig, SamplingParams
 from cluster.engine.engine_setup import worker_config
+from kvstore.kv_format import ACCURACY_NOTES
 from workers.attention.key_centers import centers_digest
 from workers.layers.parallel import TensorParallelGroup
 
@@ -37,8 +38,24 @@ def test_prefix_hits_on_quantized_blocks_give_the_recomputed_tokens(tiny_models,
     layer = worker.kv_caches[0]
     assert layer.k.dtype == {"int8": torch.int8, "fp8": torch.float8_e4m3fn}[kv_cache_dtype]
     assert layer.k_scale is not None and layer.k_scale.dtype == torch.float16
-    # int8's blocks hold rotated keys (head_dim 16), fp8's keys as they are
+    # int8's blocks hold rotated keys (head_dim 16), fp8's unrotated; both less the centers
     assert (layer.key_rotation is not None) == (kv_cache_dtype == "int8")
+    assert torch.equal(layer.key_center, worker.key_centers[0])
+
+
+def test_fp8_says_at_start_up_what_it_costs_against_int8(tiny_models, caplog):
+    with caplog.at_level("WARNING", logger="cluster.engine.llm_engine"):
+        llm = engine(tiny_models, "fp8")
+    notes = [r.getMessage() for r in caplog.records if "kv_cache_dtype 'fp8'" in r.getMessage()]
+    assert notes == [ACCURACY_NOTES["fp8"]] and "96.6% against int8's 99.3%" in notes[0]
+    digest = centers_digest(llm.engine.executor.worker.key_centers, TensorParallelGroup.single())
+    assert llm.engine.kv_hash_keys[1] == (str(tiny_models["llama"]),
+                                          "kv_cache_dtype=fp8+centered-keys",
+                                          f"key-centers={digest}")
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="cluster.engine.llm_engine"):
+        engine(tiny_models, "int8")
+    assert not [r for r in caplog.records if "kv_cache_dtype" in r.getMessage()]
 
 
 def test_chunked_prefill_and_preemption_on_int8_blocks_change_no_token(tiny_models):
