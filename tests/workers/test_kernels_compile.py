@@ -31,6 +31,8 @@ def test_every_kernel_compiles_for_sm_90():
                        and "'QUANTIZED': True" in line for line in compiled), (kernel, element)
     assert any(line.startswith("_attention_input_kernel ") and "*fp8e4nv" in line
                and "'CENTERED': True" in line for line in compiled)  # fp8's centered keys
+    assert any(line.startswith("_attention_input_kernel ") and "*i8" in line
+               and "'ROTATE': True" in line for line in compiled)  # int8's rotated keys
     gemv = [line for line in compiled if line.startswith("_gemv_kernel ")]
     for dtype in ("*bf16", "*fp16", "*fp32"):  # the activation dtypes
         assert any(dtype in line for line in gemv), f"no {dtype} one-token projection"

@@ -31,7 +31,6 @@ from workers.attention.triton_decode import decode_attention, default_tile  # no
 from workers.attention.triton_quant import conversion, dot_dtype  # noqa: E402
 from workers.attention.triton_store import store_kv  # noqa: E402
 from workers.layers.attention_input import attention_input  # noqa: E402
-from workers.layers.rotated_attention_input import rotated_attention_input  # noqa: E402
 from workers.layers.parallel import TensorParallelGroup  # noqa: E402
 from workers.loader import load_model  # noqa: E402
 from workers.models.llama import head_dim_of  # noqa: E402
@@ -175,16 +174,24 @@ def test_attention_input_quantizes_each_head_as_store_kv(dtype, qk_norm):
 
 @pytest.mark.parametrize("dtype", QUANTIZED)
 @pytest.mark.parametrize("qk_norm", [True, False])
-def test_rotated_attention_input_stores_k_times_h_and_returns_q_times_h(dtype, qk_norm):
+@pytest.mark.parametrize("centered", [False, True])
+def test_rotate_stores_k_times_h_and_returns_q_times_h_in_one_launch(dtype, qk_norm, centered):
+    """A cache of rotated keys (int8's): the kernel turns q and the (centered) k heads by H
+    with a Walsh-Hadamard transform in registers, as ``rotate`` and ``stored_keys`` would."""
     head_dim, qkv, slots, norms, cos, sin, (want_q, want_k, want_v) = attention_input_case(qk_norm)
     h = hadamard(head_dim)
-    want_k = rotate(want_k, h)
+    center = randn(KV_HEADS, head_dim, seed=5) * 3 if centered else None
+    kept = slots[slots >= 0]
+    want_k = want_k.clone()
+    rows = want_k.view(-1, KV_HEADS, head_dim)
+    rows[kept] = rotate(rows[kept] - (center if centered else 0), h)
     want = quantized(want_k, want_v, dtype)
     zeros = torch.zeros(NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, head_dim)
     zero = quantized(zeros, zeros, dtype)
-    got = LayerKVCache(*(t.clone() for t in (zero.k, zero.v, zero.k_scale, zero.v_scale)), h)
-    q = rotated_attention_input(qkv, HEADS, cos, sin, got, slots, *(norms or (None, None)),
-                                eps=1e-6)
+    got = copy(zero)
+    q = attention_input(qkv, HEADS, cos, sin, got.k, got.v, slots, *(norms or (None, None)),
+                        eps=1e-6, k_scale=got.k_scale, v_scale=got.v_scale, key_center=center,
+                        rotate=True)
     torch.testing.assert_close(q, rotate(want_q, h), atol=2e-5, rtol=1e-5)
     assert torch.equal(bits(got.v), bits(want.v)) and torch.equal(got.v_scale, want.v_scale)
     step = got.k_scale.double()[..., None]  # k: rotary's rounding apart, within the bound
@@ -192,13 +199,26 @@ def test_rotated_attention_input_stores_k_times_h_and_returns_q_times_h(dtype, q
     k_error = (dequantize(got.k, got.k_scale, torch.float32).double() - want_k.double()).abs()
     assert (k_error <= bound + 2e-5).all()
     untouched = torch.ones(NUM_BLOCKS * BLOCK_SIZE, dtype=torch.bool)
-    untouched[slots[slots >= 0]] = False  # the padding token (slot -1) wrote nothing
+    untouched[kept] = False  # the padding token (slot -1) wrote nothing
     for scale in (got.k_scale, got.v_scale):
         assert torch.equal(scale.view(-1, KV_HEADS)[untouched],
                            zero.k_scale.view(-1, KV_HEADS)[untouched])
-    with pytest.raises(ValueError, match="^rotated_attention_input needs a cache of rotated "
-                                         "keys$"):
-        rotated_attention_input(qkv, HEADS, cos, sin, zero, slots)
+
+
+def test_rotation_needs_a_power_of_two_head_dim_and_a_quantized_cache():
+    qkv = torch.zeros(2, (HEADS + 2 * KV_HEADS) * 24)
+    cos, sin = cos_sin(2, 24, torch.float32)
+    cache = quantized(*(torch.zeros(NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, 24),) * 2, torch.int8)
+    message = ("^keys are rotated only into a quantized cache of a power-of-two head_dim, not "
+               "{}$")
+    with pytest.raises(ValueError, match=message.format(24)):
+        attention_input(qkv, HEADS, cos, sin, cache.k, cache.v, torch.tensor([0, 1]),
+                        k_scale=cache.k_scale, v_scale=cache.v_scale, rotate=True)
+    plain = torch.zeros(NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, 32)
+    cos, sin = cos_sin(2, 32, torch.float32)
+    with pytest.raises(ValueError, match=message.format(32)):
+        attention_input(torch.zeros(2, (HEADS + 2 * KV_HEADS) * 32), HEADS, cos, sin, plain,
+                        plain.clone(), torch.tensor([0, 1]), rotate=True)
 
 
 @pytest.mark.parametrize("qk_norm", [True, False])

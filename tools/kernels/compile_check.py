@@ -266,6 +266,9 @@ def compile_quantized_kv(dtype: torch.dtype, element: torch.dtype, hidden: int, 
          row_scale=(torch.zeros(64, hidden, dtype=dtype), 1e-6), **scales)
     call(f"attention input, centered keys, {what}", attention_input, qkv, heads, rows, rows,
          cache, cache, slots, key_center=torch.zeros(kv_heads, head_dim, dtype=dtype), **scales)
+    call(f"attention input, centered and rotated keys, {what}", attention_input, qkv, heads,
+         rows, rows, cache, cache, slots, key_center=torch.zeros(kv_heads, head_dim, dtype=dtype),
+         rotate=True, **scales)
 
 
 def main() -> None:

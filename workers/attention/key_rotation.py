@@ -7,9 +7,9 @@ Sylvester Hadamard matrix of order head_dim::
 
 H is symmetric and orthonormal (H @ H = I), so (q @ H) . (k @ H) = q . k: the attention
 kernels, which only form q . k and weigh the values (never rotated), need no change, and the
-cache's keys are rotated before they are quantized. One (head_dim x head_dim) matmul on the
-step's q rows and one on its k rows: at most 128 x 128 against the qkv projection's
-hidden x qkv per token, and a fixed tensor that CUDA graphs replay like any weight.
+cache's keys are rotated before they are quantized. Unfused, one (head_dim x head_dim)
+matmul on the step's q rows and one on its k rows; fused, the attention-input kernel turns
+each head in registers by a Walsh-Hadamard transform (workers/layers/attention_input.py).
 """
 
 import math

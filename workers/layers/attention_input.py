@@ -15,14 +15,22 @@ It rounds where the plain layers round (the norm's output, rotary's output, the 
 dtype), so the two agree as far as summation order allows. Into a quantized cache (int8,
 e4m3) each k and v head is quantized with its own scale as store_kv would (the absmax of the
 head's two rotated halves), the scales beside the cache (workers/attention/kv_quant.py); with
-``key_center`` (a cache of centered, unrotated keys: fp8) the k heads lose the layer's center
-first, rounded as ``stored_keys``' subtraction in the activation dtype.
+``key_center`` the k heads lose the layer's center first, rounded as ``stored_keys``'
+subtraction in the activation dtype. With ``rotate`` (a cache of Hadamard-rotated keys: int8)
+the q heads and the (centered) k heads are turned by the head_dim Hadamard matrix in the same
+program (workers/attention/key_rotation.py): a fast Walsh-Hadamard transform of each head in
+registers, log2(head_dim) butterfly stages over its two halves, in float32, then times the
+matrix's entry and rounded as the matmul q @ H rounds. Before, a rotated cache took four
+launches more a layer (a scratch store, two small matmuls, the quantizing store).
 
 With ``row_scale`` the qkv projection was given the layer's input unnormalized, its weight
 holding the input RMSNorm's weight (LlamaModel.fold_norm_weights): the program first takes
 the token's 1 / RMS from that input row and scales the whole qkv row by it, which is where the
 input norm's launch went.
 """
+
+import functools
+import math
 
 import torch
 import triton
@@ -82,6 +90,23 @@ def _normed_rotated_heads(
 
 
 @triton.jit
+def _hadamard(x1, x2, entry, BLOCK_H: tl.constexpr, HALF: tl.constexpr,
+              LOG2_D: tl.constexpr, ROTATE: tl.constexpr):
+    """(x1 | x2) @ H for heads held as halves (BLOCK_H, HALF), H the normalized Sylvester
+    Hadamard matrix of order 2 * HALF whose entries are +-``entry``: each stage makes
+    y[2i] = x[i] + x[i + HALF], y[2i + 1] = x[i] - x[i + HALF] (constant geometry: after
+    log2(2 HALF) stages y = x @ H unnormalized), summed in float32, rounded once at the end."""
+    if ROTATE:
+        dtype = x1.dtype
+        x1, x2 = x1.to(tl.float32), x2.to(tl.float32)
+        for _ in tl.static_range(LOG2_D):
+            pairs = tl.join(x1 + x2, x1 - x2)  # (BLOCK_H, HALF, 2): y in order, two at a time
+            x1, x2 = tl.split(tl.permute(tl.reshape(pairs, (BLOCK_H, 2, HALF)), (0, 2, 1)))
+        x1, x2 = (x1 * entry).to(dtype), (x2 * entry).to(dtype)
+    return x1, x2
+
+
+@triton.jit
 def _centered(k1, k2, center_ptr, kv_heads, offs, kv_mask, HALF: tl.constexpr,
               CENTERED: tl.constexpr):
     """The k heads' halves less the layer's center (kv_heads, HEAD_DIM) when CENTERED: the
@@ -138,6 +163,7 @@ def _attention_input_kernel(
     v_scale_ptr,
     slot_ptr,  # (T,) int64, below 0 for a padding token
     center_ptr,  # (kv_heads, HEAD_DIM) in the activation dtype, when CENTERED
+    rotation_entry,  # the normalized Hadamard matrix's entry in the activation dtype, ROTATE
     scale_rows_ptr,  # (T, scale_size), row stride stride_s, when ROW_SCALE
     stride_t,
     stride_cos,
@@ -160,6 +186,8 @@ def _attention_input_kernel(
     MAX_ABS: tl.constexpr,
     IS_INT: tl.constexpr,
     CENTERED: tl.constexpr,  # k heads stored less the layer's center
+    ROTATE: tl.constexpr,  # q and k heads turned by the Hadamard matrix (HEAD_DIM a power of 2)
+    LOG2_D: tl.constexpr,
 ):
     HALF: tl.constexpr = HEAD_DIM // 2
     token = tl.program_id(0).to(tl.int64)
@@ -173,6 +201,7 @@ def _attention_input_kernel(
         row, q_norm_ptr, cos, sin, eps, num_heads, 1.0, scale_row, scale_size, scale_eps,
         QK_NORM, ROW_SCALE, ROW_SCALE, HEAD_DIM, BLOCK_Q, BLOCK_D, BLOCK_HALF, BLOCK_S,
     )  # fmt: skip
+    q1, q2 = _hadamard(q1, q2, rotation_entry, BLOCK_Q, BLOCK_HALF, LOG2_D, ROTATE)
     heads = tl.arange(0, BLOCK_Q)[:, None]
     q_row = q_out_ptr + (token * num_heads + heads) * HEAD_DIM + offs
     q_mask = (heads < num_heads) & (offs < HALF)
@@ -193,8 +222,8 @@ def _attention_input_kernel(
         heads_1d = tl.arange(0, BLOCK_KV)
         scale_index = slot * num_kv_heads + heads_1d
         head_mask = heads_1d < num_kv_heads
-        k1, k2 = _centered(k1, k2, center_ptr, kv_heads, offs, kv_mask, HALF,
-                           CENTERED)
+        k1, k2 = _centered(k1, k2, center_ptr, kv_heads, offs, kv_mask, HALF, CENTERED)
+        k1, k2 = _hadamard(k1, k2, rotation_entry, BLOCK_KV, BLOCK_HALF, LOG2_D, ROTATE)
         _store_k_heads(k1, k2, k_cache_ptr + cache_row + offs, k_scale_ptr, scale_index, kv_mask,
                        head_mask, HALF, QUANTIZED, MAX_ABS, IS_INT)
         offs_d = tl.arange(0, BLOCK_D)[None, :]
@@ -221,6 +250,7 @@ def attention_input(
     k_scale: torch.Tensor | None = None,  # (num_blocks, block_size, kv_heads): int8/e4m3 only
     v_scale: torch.Tensor | None = None,
     key_center: torch.Tensor | None = None,  # (kv_heads, head_dim): quantized caches only
+    rotate: bool = False,  # a cache of Hadamard-rotated keys (head_dim a power of two)
 ) -> torch.Tensor:
     """q (T, heads, head_dim) for the attention kernel, after the optional per-head norms and
     rotary; k (normed and turned the same way) and v are written into the cache at each token's
@@ -230,7 +260,9 @@ def attention_input(
     row_scale (rows, eps): each qkv row is first multiplied by 1 / RMS of the token's row of
     rows, for a qkv projection that took the layer's input before its RMSNorm.
 
-    key_center: the k heads are stored less it (a quantized cache of centered keys)."""
+    key_center: the k heads are stored less it (a quantized cache of centered keys).
+    rotate: q comes back as q @ H and the (centered) keys are stored as k @ H, H the normalized
+    head_dim Hadamard matrix (workers/attention/key_rotation.py)."""
     num_tokens, width = qkv.shape
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     if width != (num_heads + 2 * num_kv_heads) * head_dim or qkv.stride(1) != 1:
@@ -252,6 +284,9 @@ def attention_input(
     if scale_rows.dim() != 2 or scale_rows.shape[0] != num_tokens or scale_rows.stride(1) != 1:
         raise ValueError(f"row_scale's rows must be ({num_tokens}, hidden) with the last stride "
                          f"1, got {tuple(scale_rows.shape)}")
+    if rotate and (head_dim & (head_dim - 1) or k_scale is None):
+        raise ValueError(f"keys are rotated only into a quantized cache of a power-of-two "
+                         f"head_dim, not {head_dim}")
     q = torch.empty((num_tokens, num_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
     if num_tokens == 0:
         return q
@@ -268,6 +303,7 @@ def attention_input(
         *scales,
         slot_mapping,
         key_center if key_center is not None else qkv,
+        hadamard_entry(head_dim, qkv.dtype) if rotate else 1.0,
         scale_rows,
         qkv.stride(0),
         cos.stride(0),
@@ -288,5 +324,15 @@ def attention_input(
         BLOCK_HALF=triton.next_power_of_2(head_dim // 2),
         **quant_constants(k_cache),
         CENTERED=key_center is not None,
+        ROTATE=rotate,
+        LOG2_D=head_dim.bit_length() - 1 if rotate else 1,
     )
     return q
+
+
+@functools.cache
+def hadamard_entry(head_dim: int, dtype: torch.dtype) -> float:
+    """The normalized Hadamard matrix's entry, 1 / sqrt(head_dim), in ``dtype`` as
+    ``hadamard`` rounds it: the kernel multiplies by what the matmul q @ H would."""
+    entry = torch.tensor(1.0, dtype=torch.float64) / math.sqrt(head_dim)
+    return entry.to(dtype).item()

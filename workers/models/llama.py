@@ -188,18 +188,14 @@ class LlamaAttention(nn.Module):
         row_scale (rows, eps): qkv came from unnormalized rows (see attention_input)."""
         # imported here: models built without the fused kernels must not need Triton
         from workers.layers.attention_input import attention_input
-        from workers.layers.rotated_attention_input import rotated_attention_input
 
         norms = (self.q_norm.weight, self.k_norm.weight) if self.q_norm else (None, None)
         eps = self.q_norm.eps if self.q_norm else 0.0
-        heads = self.qkv_proj.num_local_heads
-        if cache.key_rotation is not None:  # k is quantized after its rotation: a store apart
-            q = rotated_attention_input(qkv, heads, cos, sin, cache, meta.slot_mapping, *norms,
-                                        eps=eps, row_scale=row_scale)
-        else:
-            q = attention_input(qkv, heads, cos, sin, cache.k, cache.v, meta.slot_mapping,
-                                *norms, eps=eps, row_scale=row_scale, k_scale=cache.k_scale,
-                                v_scale=cache.v_scale, key_center=cache.key_center)  # fmt: skip
+        # a cache of rotated keys: q turns with k, in the kernel (key_rotation holds H)
+        q = attention_input(qkv, self.qkv_proj.num_local_heads, cos, sin, cache.k, cache.v,
+                            meta.slot_mapping, *norms, eps=eps, row_scale=row_scale,
+                            k_scale=cache.k_scale, v_scale=cache.v_scale,
+                            key_center=cache.key_center, rotate=cache.key_rotation is not None)
         return self.backend.attend(q, cache, meta, scale=self.scale).flatten(1)
 
 
