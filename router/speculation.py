@@ -74,6 +74,7 @@ class Costs(NamedTuple):
 
 
 FEATURES = len(Costs._fields)
+RIDGES = RIDGE * np.diag([0.0] + [1.0] * (FEATURES - 1))  # on every coefficient but the step's
 
 
 @dataclass
@@ -127,17 +128,16 @@ def _least_squares(gram: np.ndarray, target: np.ndarray, free) -> np.ndarray:  #
     its steps, so only their sum is known, and calling it all the step's keeps a draft's
     price, its extra tokens, at what the verify calls measured)."""
     free = list(free)
-    ridge = RIDGE * np.diag([0.0] + [1.0] * (FEATURES - 1))[np.ix_(free, free)]
+    at = np.ix_(free, free)  # built once: a verify step fits once, a few of these each
     theta = np.zeros(FEATURES)
-    theta[free] = np.linalg.lstsq(gram[np.ix_(free, free)] + ridge, target[free],
-                                  rcond=RCOND)[0]
+    theta[free] = np.linalg.lstsq(gram[at] + RIDGES[at], target[free], rcond=RCOND)[0]
     return theta
 
 
 def _nonnegative_least_squares(gram: np.ndarray, target: np.ndarray) -> np.ndarray:
     """The fit of least ``_loss`` with no coefficient below 0 (Lawson and Hanson's active
     set: a few small solves, where trying every subset of the six took ~3 ms a call)."""
-    ridged = gram + RIDGE * np.diag([0.0] + [1.0] * (FEATURES - 1))
+    ridged = gram + RIDGES
     tolerance = 1e-12 * max(float(np.abs(target).max()), 1e-30)
     theta, free = np.zeros(FEATURES), []
     for _ in range(3 * FEATURES):

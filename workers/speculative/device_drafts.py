@@ -52,6 +52,11 @@ class DeviceDrafts:
         """A verify step's input ids on the device: ``tokens`` (its rows' host tokens, the
         drafts' placeholders among them) with row r's drafts after its token at ``starts[r]``."""
         width = self.table.shape[1]
+        if all(count == width for count in self.counts) and len(tokens) == len(
+                self.counts) * (width + 1):  # every row k drafts, none without: one copy
+            (input_ids,) = packed_to_device([tokens], np.int64, self.table.device)
+            input_ids.view(-1, width + 1)[:, 1:] = self.table
+            return input_ids
         rows = np.repeat(np.arange(len(self.counts)), self.counts)
         columns = np.concatenate([np.arange(count) for count in self.counts])
         at = np.repeat(np.asarray(starts), self.counts) + 1 + columns
@@ -67,9 +72,14 @@ def drafts_table(proposed: list[torch.Tensor], order: Sequence[int],
     for the rows still drafting (``proposed[j]``: a prefix of ``order``)."""
     rows, width = len(order), len(proposed)
     device = proposed[0].device
-    by_rank = torch.zeros(rows, width, dtype=torch.int64, device=device)
-    for step, values in enumerate(proposed):
-        by_rank[: values.shape[0], step] = values
+    if all(values.shape[0] == rows for values in proposed):  # every row drafted every step
+        by_rank = torch.stack(proposed, dim=1)  # one kernel, where a row a step took one each
+    else:
+        by_rank = torch.zeros(rows, width, dtype=torch.int64, device=device)
+        for step, values in enumerate(proposed):
+            by_rank[: values.shape[0], step] = values
+    if list(order) == list(range(rows)):  # in the step's order already: nothing to gather
+        return DeviceDrafts(by_rank, list(counts))
     rank_of = np.empty(rows, dtype=np.int64)
     rank_of[np.asarray(order)] = np.arange(rows)
     (index,) = packed_to_device([rank_of], np.int64, device)

@@ -131,7 +131,8 @@ class DraftModel:
         tokens = self._catch_up(request_ids, states)
         order = sorted(range(len(states)), key=lambda r: -counts[r])  # the longest first
         rows = self._decode_rows([request_ids[r] for r in order], [states[r] for r in order])
-        tokens = tokens[to_device(np.array(order, dtype=np.int64), self.device)]
+        if order != list(range(len(order))):  # rows drafting alike stay where they are
+            tokens = tokens[to_device(np.array(order, dtype=np.int64), self.device)]
         proposed = [tokens]
         for index in range(1, max(counts)):
             live = sum(counts[r] > index for r in order)  # a prefix of ``order``

@@ -73,10 +73,10 @@ def verify_greedy(
     accept test u < 1 holds for the argmax, fails elsewhere), without a (B, k+1, V) tensor."""
     batch, k_plus_1 = argmax.shape
     k = k_plus_1 - 1
-    positions = torch.arange(k, device=argmax.device)
-    accepted = (draft_ids == argmax[:, :k]) & (positions < num_drafts.unsqueeze(1))
+    positions = torch.arange(k_plus_1, device=argmax.device)  # one launch serves both tests
+    accepted = (draft_ids == argmax[:, :k]) & (positions[:k] < num_drafts.unsqueeze(1))
     num_accepted = accepted.int().cumprod(dim=1).sum(dim=1)  # (B,)
-    kept = torch.arange(k_plus_1, device=argmax.device) <= num_accepted.unsqueeze(1)
+    kept = positions <= num_accepted.unsqueeze(1)
     return torch.where(kept, argmax, -1), num_accepted + 1
 
 

@@ -21,17 +21,16 @@ if TYPE_CHECKING:
 
 @dataclass
 class PendingTokens:
-    """The kept tokens of the verified rows, on their way to the host."""
+    """The kept tokens of the verified rows, on their way to the host: the tokens alone, one
+    copy (each row's count is where its -1s start; a token is never -1)."""
 
     tokens: torch.Tensor  # (B, k+1), -1 after each row's last
-    counts: torch.Tensor  # (B,)
     copied: "torch.cuda.Event | None"
 
     def result(self) -> list[list[int]]:
         if self.copied is not None:
             self.copied.synchronize()
-        counts = self.counts.tolist()
-        return [row[:count] for row, count in zip(self.tokens.tolist(), counts, strict=True)]
+        return [row[:row.index(-1)] if -1 in row else row for row in self.tokens.tolist()]
 
 
 def verify_rows(logits: torch.Tensor, starts: Sequence[int], drafts: Sequence[list[int]],
@@ -59,21 +58,22 @@ def verify_rows(logits: torch.Tensor, starts: Sequence[int], drafts: Sequence[li
     index_t, draft_ids, num_drafts = packed_to_device(
         [np.array(index), np.array(padded), np.array([len(d) for d in drafts])], np.int64,
         device)
-    rows = logits[index_t]  # (B * (k+1), V)
+    # every row verifying k drafts (no plain rows among them): the logits are the rows
+    # already, where a gather would copy B * (k+1) * V values
+    rows = logits if index == list(range(logits.shape[0])) else logits[index_t]  # (B*(k+1), V)
     if constraints is not None:
         rows, valid = constraints.apply(rows, states, drafts, width=k + 1)
         if valid != [len(d) for d in drafts]:
             num_drafts = torch.tensor(valid, dtype=torch.int64).to(device, non_blocking=True)
     draft_ids = draft_ids.view(batch, k) if on_device is None else on_device
     if all(state.spec.is_greedy for state in states):
-        tokens, counts = verify_greedy(greedy(rows).view(batch, k + 1), draft_ids, num_drafts)
+        tokens, _ = verify_greedy(greedy(rows).view(batch, k + 1), draft_ids, num_drafts)
     else:
         specs = [state.spec for state in states for _ in range(k + 1)]
         probs = target_probs(rows, specs).view(batch, k + 1, vocab)
         generators = [state.generator_for_next_token() for state in states]
-        tokens, counts = verify(probs, draft_ids, num_drafts, None, generators, shared)
-    host_tokens, host_counts = to_host(tokens), to_host(counts)
-    return PendingTokens(host_tokens, host_counts, copied_event(tokens))
+        tokens, _ = verify(probs, draft_ids, num_drafts, None, generators, shared)
+    return PendingTokens(to_host(tokens), copied_event(tokens))
 
 
 @torch.inference_mode()

@@ -17,11 +17,33 @@ def test_the_table_holds_each_row_s_drafts_in_the_step_s_order():
     assert table.to_host() == [[31], [11, 12, 13], [21, 22]]
 
 
+def test_a_chain_in_the_step_s_order_stacks_its_steps_as_they_are():
+    # every row drafted every step, the longest first already: no gather, the same table
+    proposed = [torch.tensor([11, 21]), torch.tensor([12, 22])]
+    table = drafts_table(proposed, order=[0, 1], counts=[2, 2])
+    assert table.to_host() == [[11, 12], [21, 22]]
+    # rows that stop early keep zeros past their drafts
+    short = drafts_table([torch.tensor([11, 21]), torch.tensor([12])], order=[0, 1],
+                         counts=[2, 1])
+    assert short.table.tolist() == [[11, 12], [21, 0]] and short.to_host() == [[11, 12], [21]]
+
+
 def test_the_verify_input_takes_the_drafts_after_each_row_s_token():
     table = DeviceDrafts(torch.tensor([[7, 8, 9], [5, 0, 0]]), [3, 1])
     # rows: sequence a's token then 3 drafts, b's token alone, c's token then 1 draft
     tokens = np.array([100, 0, 0, 0, 200, 300, 0])
     assert table.verify_input(tokens, starts=[0, 5]).tolist() == [100, 7, 8, 9, 200, 300, 5]
+
+
+def test_rows_of_k_drafts_each_take_them_in_one_copy():
+    """Every row k drafts and none without: the table goes in whole (the general path's
+    answer; a row without drafts takes the general path)."""
+    table = DeviceDrafts(torch.tensor([[7, 8], [5, 6]]), [2, 2])
+    tokens = np.array([100, 0, 0, 200, 0, 0])
+    assert table.verify_input(tokens, starts=[0, 3]).tolist() == [100, 7, 8, 200, 5, 6]
+    with_plain = np.array([100, 0, 0, 300, 200, 0, 0])
+    assert table.verify_input(with_plain, starts=[0, 4]).tolist() == [100, 7, 8, 300, 200, 5,
+                                                                      6]
 
 
 def test_drafts_given_with_the_step_win_and_the_draft_s_own_stay():

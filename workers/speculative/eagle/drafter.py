@@ -34,6 +34,7 @@ from workers.input_batch import (
     block_table_array,
     build_input_batch,
     forward_decode_rows,
+    packed_to_device,
     slots_of,
     span_rows,
     to_device,
@@ -62,6 +63,16 @@ class HeadStep(torch.nn.Module):
         rows, stream = self.head(input_ids, positions, self.features[:input_ids.shape[0]],
                                  kv_caches, meta)
         return torch.cat([rows, stream], dim=-1)
+
+
+def rows_at(tensor: torch.Tensor, rows: np.ndarray, index: torch.Tensor) -> torch.Tensor:
+    """``tensor``'s ``rows`` (increasing; ``index``: the same on the device): a view when they
+    are consecutive (one sequence, or one row each: every catch-up of a batch of 1), which
+    launches nothing, else a gather."""
+    first = int(rows[0])
+    if int(rows[-1]) - first == len(rows) - 1:
+        return tensor[first:first + len(rows)]
+    return tensor[index]
 
 
 class ShiftedRow:
@@ -178,10 +189,14 @@ class EagleDrafter:
             captured.append(graphs if graphs.capture() is None else None)
         self.graphs = captured if all(g is not None for g in captured) else None
 
-    def _run_step(self, step: HeadStep, which: int, rows: DecodeRows, features: torch.Tensor,
+    def _run_step(self, step: HeadStep, which: int, rows: DecodeRows,
+                  features: torch.Tensor | None,
                   input_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(rows for the lm_head, output stream) of one-token rows with these features."""
-        step.features[:features.shape[0]] = features
+        """(rows for the lm_head, output stream) of one-token rows with these features (None:
+        already in ``step.features``). Under graphs both are views of the graph's output,
+        good until its next replay."""
+        if features is not None:
+            step.features[:features.shape[0]] = features
         graphs = self.graphs[which] if self.graphs is not None else None
         out = forward_decode_rows(step, self.kv_caches, graphs, rows, self.device, input_ids)
         size = self.config.hidden_size
@@ -213,8 +228,12 @@ class EagleDrafter:
         stream, first = self._catch_up(request_ids, states)
         order = sorted(range(len(states)), key=lambda r: -counts[r])  # the longest first
         chain, _ = self._steps(len(states))
-        index = torch.tensor(order, device=self.device)
-        proposed, stream = [first[index]], stream[index]
+        proposed = [first]
+        if order != list(range(len(order))):  # rows drafting alike stay where they are
+            # pinned: a pageable copy would wait for the catch-up, and the chain's steps would
+            # only be queued after it
+            index = to_device(np.array(order, dtype=np.int64), self.device)
+            proposed, stream = [first[index]], stream[index]
         table = block_table_array([states[r].block_ids for r in order])
         positions = np.array([len(states[r].token_ids) - 2 for r in order], dtype=np.int64)
         for step in range(1, max(counts)):
@@ -249,10 +268,12 @@ class EagleDrafter:
                               zip(states, starts, lasts, strict=True)],
                 starts, [state.block_ids for state in states], self.block_size)
             _, catch_up = self._steps(len(rows.request_ids))
-            features = self.features[to_device(rows.slots, self.device)]
-            out, stream = self._run_step(catch_up, 1, rows, features)
-            index = to_device(newest, self.device)
-            return stream[index], self.head.draft_tokens(out[index])
+            slots, index = packed_to_device([rows.slots, newest], np.int64, self.device)
+            # the features gathered straight into the step's buffer
+            torch.index_select(self.features, 0, slots, out=catch_up.features[:len(slots)])
+            out, stream = self._run_step(catch_up, 1, rows, None)
+            return (rows_at(stream, newest, index),
+                    self.head.draft_tokens(rows_at(out, newest, index)))
         items = [ScheduledRequest(request_id, start, count) for request_id, start, count in
                  zip(request_ids, starts, missing, strict=True)]
         shifted = {request_id: ShiftedRow(state)

@@ -97,6 +97,9 @@ class EagleHead(nn.Module):
         vocab = config.draft_vocab_size if self.is_eagle3 else hf.vocab_size
         self.lm_head = nn.Linear(size, vocab, bias=False)
         self.register_buffer("d2t", torch.zeros(vocab, dtype=torch.int64))
+        # draft id i's target id, i + d2t[i], kept with d2t (load_weights): a chain step's
+        # drafts are one gather, not a gather and an add (each a launch of the host's)
+        self.register_buffer("target_ids", torch.arange(vocab), persistent=False)
         self.rotary_emb = RotaryEmbedding(hf, head_dim_of(hf))
         for param in self.parameters():
             param.requires_grad_(False)
@@ -138,7 +141,7 @@ class EagleHead(nn.Module):
     def draft_tokens(self, rows: torch.Tensor) -> torch.Tensor:
         """(T, H) rows → (T,) greedy drafts as target token ids."""
         best = self.lm_head(rows).argmax(dim=-1)
-        return best + self.d2t[best] if self.is_eagle3 else best
+        return self.target_ids[best] if self.is_eagle3 else best
 
     def compute_logits(self, rows: torch.Tensor) -> torch.Tensor:
         """(T, H) → (T, target vocabulary) logits; tokens outside the draft's reduced
@@ -147,8 +150,7 @@ class EagleHead(nn.Module):
         if not self.is_eagle3:
             return logits
         full = logits.new_full((rows.shape[0], self.embed_tokens.num_embeddings), -torch.inf)
-        ids = torch.arange(logits.shape[-1], device=logits.device) + self.d2t
-        return full.index_copy_(1, ids, logits)
+        return full.index_copy_(1, self.target_ids, logits)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Loads a head's tensors by canonical name (head_weights.canonical_name). A
@@ -171,6 +173,7 @@ class EagleHead(nn.Module):
                     raise ValueError(f"d2t has shape {tuple(tensor.shape)}, the draft "
                                      f"vocabulary {tuple(param.shape)}")
                 param.copy_(tensor.to(torch.int64))
+                self.target_ids.copy_(torch.arange(len(param), device=param.device) + param)
             else:
                 getattr(param, "weight_loader", default_weight_loader)(param, tensor, shard_id)
             loaded.setdefault(name, set()).add(shard_id)
