@@ -13,7 +13,8 @@ from workers.catalog.wheels import file_sha256, read_pins, verify_sha256
 
 
 def test_unknown_model_error_names_the_catalog():
-    known = "smollm2-135m-instruct, qwen2.5-coder-0.5b-instruct, qwen2.5-coder-1.5b-instruct"
+    known = ("smollm2-135m-instruct, qwen2.5-coder-0.5b-instruct, qwen2.5-coder-1.5b-instruct, "
+             "smollm2-135m-instruct-eagle3")  # the catalog's models, then the shipped heads
     expected = f"unknown model 'xyz': not a folder and not in the catalog (known: {known})"
     with pytest.raises(ValueError) as error:
         resolve_model("xyz")
