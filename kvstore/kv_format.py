@@ -85,9 +85,9 @@ class KVFormat:
         return self.rotate_keys and head_dim > 0 and head_dim & (head_dim - 1) == 0
 
     def centers_keys(self, head_dim: int) -> bool:
-        """Whether keys are stored less their calibrated mean. A format that rotates keys
-        centers them only where they are rotated (the store that rotates them subtracts);
-        one that does not rotate (fp8) centers them in the attention-input kernel."""
+        """Whether keys are stored less their calibrated mean (the attention-input kernel
+        subtracts it, before any rotation): int8 where its keys are rotated, as it was
+        calibrated and measured; fp8 always."""
         return self.center_keys and (self.rotates_keys(head_dim) or not self.rotate_keys)
 
     @property

@@ -91,8 +91,8 @@ class EngineConfig:
     disk_kv_cache_gb: float = option(10.0, "size bound of the disk tier, in GiB")
     host_loads_in_place: bool = option(False, "on a GPU that can: host-tier loads read the "
                                        "pinned slots in place, layer by layer under the step "
-                                       "(experimental: a fix not yet run on a GPU, "
-                                       "docs/kv-cache.md)")
+                                       "(off: not faster than the staged loads at the 0.5B "
+                                       "shape, docs/benchmarks.md)")
     gpu_memory_utilization: float = option(0.9, "share of the GPU's memory this engine "
                                            "takes for weights, activations and the KV cache")
     gpu_fraction: float = option(1.0, "share of a GPU each shard asks Ray for: 0.5 puts two "

@@ -7,6 +7,7 @@ import time
 import pytest
 import torch
 
+from cluster.bench.roofline import median_seconds
 from kvstore.block_hash import hash_block_tokens
 from kvstore.transfers import BlockLoad, DiskRead, DiskWrite, KVTransfers
 from tests.workers.test_kv_offload import stacked as stack_layers
@@ -213,14 +214,8 @@ def test_the_copies_run_near_a_plain_pinned_copy_s_rate():
     device = torch.empty(total, dtype=torch.uint8, device="cuda")
     pinned = torch.empty(total, dtype=torch.uint8, pin_memory=True)
 
-    def timed(fn, repeat=5):
-        fn()
-        torch.cuda.synchronize()
-        started = time.perf_counter()
-        for _ in range(repeat):
-            fn()
-        torch.cuda.synchronize()
-        return total * repeat / (time.perf_counter() - started) / 1e9
+    def timed(fn):  # GB/s
+        return total / median_seconds(fn, torch.device("cuda"), repeats=5) / 1e9
 
     plain_d2h = timed(lambda: pinned.copy_(device, non_blocking=True))
     plain_h2d = timed(lambda: device.copy_(pinned, non_blocking=True))

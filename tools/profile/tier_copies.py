@@ -10,11 +10,11 @@ beside that compute (waiting at the layer gate as the model does).
 
 import argparse
 import random
-import time
 from collections.abc import Callable
 
 import torch
 
+from cluster.bench.roofline import median_seconds
 from kvstore.transfers import BlockLoad, KVTransfers
 from workers.attention.layer_cache import LayerKVCache
 from workers.host_layout import layer_tensors
@@ -24,14 +24,9 @@ from workers.layers.parallel import TensorParallelGroup
 SHAPES = {"qwen2.5-0.5b": (24, (16, 2, 64)), "llama-3.1-8b": (32, (16, 8, 128))}
 
 
-def milliseconds(fn: Callable[[], object], repeat: int = 5) -> float:
-    fn()
-    torch.cuda.synchronize()
-    started = time.perf_counter()
-    for _ in range(repeat):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - started) / repeat * 1e3
+def milliseconds(fn: Callable[[], object]) -> float:
+    """The median of five timed calls (after two untimed), in ms."""
+    return median_seconds(fn, torch.device("cuda"), repeats=5) * 1e3
 
 
 def step(offloader: KVOffloader, transfers: KVTransfers | None,
