@@ -84,7 +84,9 @@ def compare(reference: list[torch.Tensor], quantized: list[torch.Tensor],
 
 
 def greedy_answers(folder, args: argparse.Namespace, device: str, dtype: str,
-                   kv_cache_dtype: str) -> list[list[int]]:
+                   kv_cache_dtype: str) -> tuple[list[list[int]], list[str]]:
+    """Each chat question's greedy answer with this cache: its token ids and its text (the
+    text empty without a tokenizer)."""
     llm = make_llm(folder, dtype=dtype, device=device, block_size=args.block_size,
                    kv_cache_dtype=kv_cache_dtype, attention_backend=args.attention_backend,
                    num_kv_blocks=args.chat_kv_blocks)
@@ -96,7 +98,8 @@ def greedy_answers(folder, args: argparse.Namespace, device: str, dtype: str,
         vocab = llm.engine.vocab_size
         outputs = llm.generate([[b % vocab for b in q.encode()] for q in questions], params)
     release(llm)
-    return [out.outputs[0].token_ids for out in outputs]
+    return ([out.outputs[0].token_ids for out in outputs],
+            [out.outputs[0].text or "" for out in outputs])
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -133,12 +136,17 @@ def kv_accuracy(args: argparse.Namespace) -> int:
         answers = {name: greedy_answers(folder, args, str(device), dtype_name(dtype), name)
                    for name in formats}
         for name in args.formats:
-            results[name]["greedy_chat"] = answer_agreement(answers["auto"], answers[name])
+            results[name]["greedy_chat"] = answer_agreement(answers["auto"][0], answers[name][0])
+            results[name]["greedy_chat"]["texts"] = answers[name][1]
+        answered = {"questions": CHAT_QUESTIONS[: args.chat_prompts],
+                    "reference": answers["auto"][1]}
     record = {"workload": "kv-accuracy",
               "config": vars(args) | {"model_folder": str(folder), "dtype": dtype_name(dtype),
                                       "device": str(device)},
               "environment": machine_facts(device), "texts": len(texts),
               "tokens": sum(len(ids) for ids in texts), "results": results}
+    if args.chat_prompts:
+        record["chat"] = answered  # the reference cache's answers; each format's in its result
     publish(record, summary_table(args.model, dtype_name(dtype), args.chat_tokens, results),
             args.output)
     return 0

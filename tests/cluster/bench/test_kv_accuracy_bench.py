@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from cluster.bench.kv_accuracy import answer_agreement, compare
-from cluster.bench.kv_texts import TEXTS
+from cluster.bench.kv_texts import CHAT_QUESTIONS, TEXTS
 from cluster.cli.main import main
 
 
@@ -45,4 +45,6 @@ def test_tiny_kv_accuracy_run_writes_every_figure(tiny_models, tmp_path, capsys)
         assert 0 < result["top1_agreement"] <= 1 and result["mean_kl_nats"] >= 0
         assert result["perplexity_reference"] > 1 and result["perplexity_quantized"] > 1
         assert result["greedy_chat"]["answers"] == 2
+        assert result["greedy_chat"]["texts"] == ["", ""]  # no tokenizer: ids, no text
+    assert record["chat"] == {"questions": list(CHAT_QUESTIONS[:2]), "reference": ["", ""]}
     assert "| int8 | 312 |" in capsys.readouterr().out
