@@ -143,8 +143,15 @@ def test_past_the_waiting_limit_a_request_is_refused_at_once(ray_session, tiny_m
     async def scenario():
         running = cluster.generate([1, 2, 3], long, "running")
         await anext(running)  # its first token: it no longer waits
+        # the router hears of that token by a call of its own, which its asyncio actor may run
+        # after a later placement: until it has, the running request still counts as waiting
+        # and the second queued one would be the one refused
+        while (await loads()).num_prefilling:
+            await asyncio.sleep(0.01)
         queued = [asyncio.create_task(last([4, 5, i], short, f"queued-{i}")) for i in range(2)]
         while (await loads()).num_prefilling < 2:  # one sequence at a time: these two wait
+            done = [task for task in queued if task.done()]
+            assert not done, f"a queued request ended before the refusal: {done[0].exception()!r}"
             await asyncio.sleep(0.01)
         with pytest.raises(Overloaded) as refused:
             await last([6, 7], short, "refused")
