@@ -6,10 +6,10 @@
 # the model with that head against plain decoding.
 # Usage: OUT=<folder> GGUF=<the default model's GGUF on this machine> bash tools/gpu/run_gpu_real.sh
 #   ONLY=<regex> picks stages (together they take longer than one 10-minute device call);
-#   the GGUF goes over in three calls with `../shared/device/carry-model.sh FILE 45`
-#   (GGUF=/tmp/real/model): two 45 MB parts alone, then the last 4 MB part with .kit (41 MB)
-#   and the gguf wheel (a call carries 64 MiB in all: a 46 MB part beside .kit does not fit);
-#   its conversion needs that wheel (GGUF_WHEELS: the folder holding it, e.g. .real/02).
+#   the GGUF goes over in three calls with `../shared/device/carry-model.sh FILE 40`
+#   (GGUF=/tmp/real/model): each 40 MiB part alone (a call carries 64 MiB with the working
+#   tree, ~23 MB with the shipped head), then a call with .kit (41 MB) and the gguf wheel in a
+#   folder of its own (e.g. .real/03); the conversion needs that wheel (GGUF_WHEELS).
 #   HEAD_ARGS: more `tandem draft-head train` arguments (default: 4,000 self-written questions,
 #   1,024-token packs, 150 s of training); a head trained in an earlier call stays in
 #   $HEAD_DIR (default /tmp/head) for the stage that measures it.
