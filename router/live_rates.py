@@ -3,7 +3,8 @@
 The start-up measurement (a probe prefill and a copy into idle pinned memory) is what a replica
 can do alone; serving, its copies share the bus and the device with the steps, and its prefills
 run beside decodes. Each finished batch of tier copies (bytes and the copy stream's seconds) and
-each step that was mostly prefill (prompt tokens and the step's seconds) move the rates: sums of
+each step that was mostly prefill and loaded nothing from the host tier in it (prompt tokens
+and the step's seconds: a step's loads would count as prefill time) move the rates: sums of
 bytes (tokens) and seconds, each observation's weight halving every ``HALF_LIFE_S`` of measured
 time after it, the start-up figures weighing as ``PRIOR_S`` of it.
 

@@ -109,6 +109,8 @@ class SchedulerOutput:
     num_steps: int = 1  # > 1: every scheduled sequence decodes this many tokens in one call
     lookahead: bool = False  # and one step more, the next call's first (a slot is allocated)
     launched: bool = False  # its tokens are read a call later (``Scheduler.launched``)
+    # prompt tokens whose blocks come from the host tier in this step, before its forward
+    num_loaded_tokens: int = 0
 
     @property
     def is_empty(self) -> bool:
@@ -318,6 +320,7 @@ class Scheduler:
             if num_loaded:
                 assert below is not None
                 self.loads.start_in_step(seq, below)
+                output.num_loaded_tokens += num_loaded
                 num_cached = computed
             host, disk = self.loads.loaded_tokens.pop(seq.request_id, (0, 0))
             host = min(host + num_loaded, num_cached)  # what a load brought and is still cached
@@ -339,6 +342,8 @@ class Scheduler:
         self.token_budget.observe(output.num_steps, tokens, seconds)
         if self.rates is None:
             return
+        if output.num_loaded_tokens:
+            return  # its time holds the loads' too: recomputing would look dearer than it is
         prompt = sum(item.num_new_tokens for item in output.scheduled
                      if item.num_new_tokens > 1 + item.num_drafts)
         self.rates.observe_step(prompt, tokens, seconds)

@@ -179,3 +179,28 @@ def test_imported_blocks_take_host_slots_after_the_evicted_ones_go_to_disk(tmp_p
     assert tiers.host.lookup(hashes[1], tokens[1]).slot == 1
     assert tiers.host.index.num_pinned == 0 and tiers.counters.imported == 1
     tiers.check_integrity()
+
+
+def test_a_step_that_loads_from_the_host_tier_does_not_count_as_prefill_time():
+    first = list(range(300, 370))  # 70 tokens in two chunks of the 64-token budget
+    sched = make(num_blocks=60, host_slots=60, rates=FAST)
+    sched.add(Sequence("a", first, SamplingParams(max_tokens=1)))
+    step(sched)
+    step(sched)  # the write-through of the first chunk's 16 blocks
+    sched.kv.reset_prefix_cache()
+    assert sched.rates is not None and len(sched.kv.tiers.host) == 16
+    before = sched.rates.current().prefill_tokens_per_s
+    # 64 tokens loaded, 64 computed: a step the prefill rate would count, were it not loading
+    sched.add(Sequence("b", first + list(range(700, 764)), SamplingParams(max_tokens=1)))
+    loading = sched.schedule()
+    assert loading.num_loaded_tokens == 64
+    assert [(s.seq.num_computed_tokens, s.num_new_tokens) for s in loading.scheduled] == [(64, 64)]
+    sched.observe_step(loading, 10.0)  # 10 s, the loads' time in it
+    assert sched.rates.current().prefill_tokens_per_s == before
+    sched.add(Sequence("c", list(range(500, 570)), SamplingParams(max_tokens=1)))
+    sched.update(loading, {})
+    computing = sched.schedule()
+    assert computing.num_loaded_tokens == 0
+    assert [(s.seq.request_id, s.num_new_tokens) for s in computing.scheduled][-1] == ("c", 58)
+    sched.observe_step(computing, 10.0)
+    assert sched.rates.current().prefill_tokens_per_s < before
