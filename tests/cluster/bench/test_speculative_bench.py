@@ -60,9 +60,12 @@ def test_w5_beside_fixed_runs_every_fixed_k_then_adaptive_in_one_engine(tiny_mod
     runs = json.loads(output.read_text())["results"]
     assert [(r["adaptive"], r["k"]) for r in runs] == [(False, 1), (False, 3), (True, 3)]
     # every draft right: fixed k 1 and 3 keep all (2 and 4 tokens a verify), and adaptive,
-    # which can never verify more than 3 drafts, keeps every one it makes
+    # which can never verify more than 3 drafts, keeps every one it makes; whether it drafts
+    # at all follows the costs it measures, wall time that a busy machine can make price a
+    # verify above what it saves (a CI run: no drafts, measured alpha 0)
     assert [r["tokens_per_verify"] for r in runs[:2]] == [2.0, 4.0]
-    assert runs[2]["measured_alpha"] == 1.0
+    adaptive = runs[2]
+    assert adaptive["tokens_per_verify"] == 0 or adaptive["measured_alpha"] == 1.0
     assert all(r["rows_equal_to_plain"] == 2 for r in runs)
 
 
