@@ -30,12 +30,12 @@ input norm's launch went.
 """
 
 import functools
-import math
 
 import torch
 import triton
 import triton.language as tl
 
+from workers.attention.key_rotation import hadamard
 from workers.attention.triton_quant import check_scales, on_grid, quant_constants, row_scales
 from workers.layers.fused_kernels import inverse_rms_of_row
 
@@ -332,7 +332,6 @@ def attention_input(
 
 @functools.cache
 def hadamard_entry(head_dim: int, dtype: torch.dtype) -> float:
-    """The normalized Hadamard matrix's entry, 1 / sqrt(head_dim), in ``dtype`` as
-    ``hadamard`` rounds it: the kernel multiplies by what the matmul q @ H would."""
-    entry = torch.tensor(1.0, dtype=torch.float64) / math.sqrt(head_dim)
-    return entry.to(dtype).item()
+    """The normalized Hadamard matrix's entry, 1 / sqrt(head_dim), as ``hadamard`` rounds it
+    in ``dtype``: the kernel multiplies by what the matmul q @ H would."""
+    return hadamard(head_dim, dtype)[0, 0].item()
