@@ -395,8 +395,9 @@ class KVOffloader:
         """``stream`` waits for the last copy on the ``other`` stream that reads or writes
         one of these blocks or slots (its stream is FIFO: that covers the ones before)."""
         for batch in reversed(self.batches):
-            if batch.kind == other and (batch.slots & slots or
-                                        (batch.loads_into | batch.stores_from) & blocks):
+            if batch.kind == other and not (batch.slots.isdisjoint(slots)
+                                            and batch.loads_into.isdisjoint(blocks)
+                                            and batch.stores_from.isdisjoint(blocks)):
                 stream.wait_event(batch.event)
                 return
 
@@ -459,13 +460,13 @@ class KVOffloader:
         """The compute stream waits for the last in-flight copy of each stream it must not
         overtake (each stream is FIFO: waiting for it covers every copy before it); not for
         layered loads, which the forward waits for layer by layer (``gate``)."""
-        touched, written = set(touched), set(written)
+        written = set(written)
+        used = written.union(touched)
         waited: set[str] = set()
         for batch in reversed(self.batches):
-            if batch.layered:
+            if batch.layered or batch.kind in waited:
                 continue
-            if batch.kind not in waited and (batch.loads_into & (touched | written)
-                                             or batch.stores_from & written):
+            if not (batch.loads_into.isdisjoint(used) and batch.stores_from.isdisjoint(written)):
                 torch.cuda.current_stream().wait_event(batch.event)
                 waited.add(batch.kind)
 
