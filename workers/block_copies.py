@@ -9,9 +9,15 @@ slot the layers' shares of that kind lie at a constant stride; so one gather (or
 moves the batch's blocks of every layer of a kind, from the stacked tensor to a strided view
 of the staging rows. A tensor that is no such view (an EAGLE head's features) is a group of
 one.
+
+Both move words, not bytes: the widest (8 bytes at most) that every offset and size of the
+layout is a multiple of (as the in-place loads do, workers/pinned_copies.py), so the index
+kernels handle 8x fewer elements for the same blocks.
 """
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from math import gcd
 
 import torch
 
@@ -26,27 +32,47 @@ class CopyGroup:
     first_position: int  # its first tensor's position in the list the layout was made of
 
 
+WORDS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+
+
+def word_bytes(block_bytes: int, groups: Sequence[CopyGroup]) -> int:
+    """The widest word (8 bytes at most) every offset and size of the layout, and where each
+    cache starts in its storage, is a multiple of."""
+    width = gcd(8, block_bytes)
+    for group in groups:
+        width = gcd(width, gcd(group.offset, gcd(group.stride, group.cache.shape[2])))
+        width = gcd(width, group.cache.storage_offset())  # bytes: the caches are uint8 views
+    return width
+
+
 class BlockCopies:
     def __init__(self, tensors: list[torch.Tensor], layout: BlockLayout) -> None:
         self.block_bytes = layout.block_bytes
         self.groups = _groups(tensors, layout)
+        self.width = word_bytes(self.block_bytes, self.groups)
+        self._words = [group.cache.view(WORDS[self.width]) for group in self.groups]
 
     def gather(self, block_index: torch.Tensor, rows: torch.Tensor) -> None:
         """The blocks ``block_index`` (on the cache's device) into ``rows`` (the first
         ``len(block_index)`` rows of a contiguous uint8 staging buffer), one kernel a group."""
-        for group in self.groups:
-            torch.index_select(group.cache, 1, block_index, out=self._view(group, rows))
+        for group, cache in zip(self.groups, self._words, strict=True):
+            torch.index_select(cache, 1, block_index, out=self._view(group, cache, rows))
 
     def scatter(self, block_index: torch.Tensor, rows: torch.Tensor) -> None:
         """``rows`` into the blocks ``block_index``: ``gather``'s inverse."""
-        for group in self.groups:
-            group.cache.index_copy_(1, block_index, self._view(group, rows))
+        for group, cache in zip(self.groups, self._words, strict=True):
+            cache.index_copy_(1, block_index, self._view(group, cache, rows))
 
-    def _view(self, group: CopyGroup, rows: torch.Tensor) -> torch.Tensor:
-        """The group's bytes of ``rows`` as (layers, rows, bytes of a layer's block)."""
-        layers, _, size = group.cache.shape
-        return rows.as_strided((layers, rows.shape[0], size), (group.stride, self.block_bytes, 1),
-                               rows.storage_offset() + group.offset)
+    def _view(self, group: CopyGroup, cache: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """The group's words of ``rows`` as (layers, rows, words of a layer's block)."""
+        layers, _, size = cache.shape
+        width = self.width
+        if rows.storage_offset() % width:
+            raise ValueError(f"staging rows must start at a multiple of {width} bytes")
+        words = rows.view(WORDS[width]) if width > 1 else rows
+        return words.as_strided((layers, rows.shape[0], size),
+                                (group.stride // width, self.block_bytes // width, 1),
+                                words.storage_offset() + group.offset // width)
 
 
 def _groups(tensors: list[torch.Tensor], layout: BlockLayout) -> list[CopyGroup]:

@@ -18,15 +18,13 @@ Cache tensors that are not one of the model's per-layer stacks (a draft model's,
 head's) are copied in the first chunk, which the step waits for before its forward, as before.
 """
 
-from collections.abc import Sequence
 from dataclasses import dataclass
-from math import gcd
 
 import torch
 import triton
 import triton.language as tl
 
-from workers.block_copies import BlockCopies, CopyGroup
+from workers.block_copies import WORDS, BlockCopies, word_bytes
 
 LAYER_CHUNKS = 8  # events a step's loads: more overlap, more launches
 MAX_BLOCK_WORDS = 1024
@@ -67,18 +65,6 @@ def _slot_block_kernel(
         tl.store(target, tl.load(source, mask=mask), mask=mask)
 
 
-_WORDS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
-
-
-def word_bytes(block_bytes: int, groups: Sequence[CopyGroup]) -> int:
-    """The widest word (8 bytes at most) every offset and size of the layout is a multiple
-    of: the kernel moves words, not bytes."""
-    width = gcd(8, block_bytes)
-    for group in groups:
-        width = gcd(width, gcd(group.offset, gcd(group.stride, group.cache.shape[2])))
-    return width
-
-
 @dataclass(frozen=True)
 class _Kind:
     """A kind of cache tensor as the kernel sees it: words, not bytes."""
@@ -95,7 +81,7 @@ class PinnedCopies:
     def __init__(self, host: torch.Tensor, copies: BlockCopies, num_layers: int,
                  model_tensors: int, programs: int = COPY_PROGRAMS) -> None:
         width = word_bytes(copies.block_bytes, copies.groups)
-        word = _WORDS[width]
+        word = WORDS[width]
         self.host = host.view(word)
         self.slot_words = copies.block_bytes // width
         self.num_layers = num_layers

@@ -49,6 +49,7 @@ def test_stacked_caches_move_in_one_kernel_a_kind_and_keep_the_slot_layout(kv_fo
     copies = BlockCopies(tensors, layout)
     kinds = 4 if kv_format else 2  # K, V (and their scales), each over the 3 layers
     assert [group.cache.shape[0] for group in copies.groups] == [3] * kinds + [1]
+    assert copies.width == 8  # the index kernels move 8-byte words
     stage = torch.zeros((8, layout.block_bytes), dtype=torch.uint8)
     blocks = [4, 0, 5]
     copies.gather(torch.tensor(blocks), stage[:3])
@@ -72,6 +73,30 @@ def test_separate_tensors_move_one_by_one_with_the_same_bytes():
     stage = torch.empty((2, layout.block_bytes), dtype=torch.uint8)
     copies.gather(torch.tensor([2, 5]), stage)
     assert torch.equal(stage, slot_bytes(tensors, [2, 5]))
+
+
+def test_the_widest_word_the_layout_and_storage_allow_gives_the_same_bytes():
+    tensors = randomized([torch.empty((NUM_BLOCKS, BLOCK_SIZE, 3), dtype=torch.uint8),
+                          torch.empty((NUM_BLOCKS, BLOCK_SIZE, 2), dtype=torch.float16)])
+    layout = BlockLayout.of(tensors, tp_size=1)
+    copies = BlockCopies(tensors, layout)
+    assert copies.width == 4  # offsets 0 and 12, sizes 12 and 16 bytes
+    stage = torch.empty((2, layout.block_bytes), dtype=torch.uint8)
+    copies.gather(torch.tensor([5, 1]), stage)
+    assert torch.equal(stage, slot_bytes(tensors, [5, 1]))
+    shifted = randomized([torch.empty(NUM_BLOCKS * 8 + 2, dtype=torch.uint8)])[0]
+    shifted = [shifted[2:].view(NUM_BLOCKS, 8)]  # starts 2 bytes into its storage
+    copies = BlockCopies(shifted, BlockLayout.of(shifted, tp_size=1))
+    assert copies.width == 2
+    stage = torch.empty((1, 8), dtype=torch.uint8)
+    copies.gather(torch.tensor([3]), stage)
+    assert torch.equal(stage, slot_bytes(shifted, [3]))
+    odd = randomized([torch.empty((NUM_BLOCKS, 1, 3), dtype=torch.uint8)])
+    copies = BlockCopies(odd, BlockLayout.of(odd, tp_size=1))
+    assert copies.width == 1
+    stage = torch.empty((1, 3), dtype=torch.uint8)
+    copies.gather(torch.tensor([4]), stage)
+    assert torch.equal(stage, slot_bytes(odd, [4]))
 
 
 def test_a_stack_missing_a_layer_moves_tensor_by_tensor():
