@@ -66,9 +66,14 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# blocks per batch through a device staging buffer: each batch costs a kernel per kind of cache
-# tensor, so larger batches spend less of a copy on launches; two buffers of this
+# a batch through a device staging buffer (two buffers of it): each batch costs the host the
+# same whatever its size (a gather or scatter per kind of cache tensor, a copy per run of slots,
+# two events, an index tensor), and at the 0.5B shape's 192 KiB blocks batches of 64 cost an
+# H100's host 0.9-1.0 ms a step with loads (~300 blocks) and 0.7-0.9 ms one with stores only
+# (~240; W4-large, tools/profile/tier_steps.py); so a batch is as many blocks as STAGE_BYTES
+# holds, never fewer than STAGE_BLOCKS
 STAGE_BLOCKS = 64
+STAGE_BYTES = 64 << 20
 LOAD, STORE = "load", "store"  # the two copy streams
 LOAD_PRIORITY = -1  # CUDA: lower is sooner; the stores' stream keeps the default, 0
 
@@ -96,7 +101,7 @@ class _PendingLoad:
 
 class KVOffloader:
     def __init__(self, tensors: list[torch.Tensor], num_slots: int, disk_dir: str | None,
-                 tp: TensorParallelGroup, stage_blocks: int = STAGE_BLOCKS,
+                 tp: TensorParallelGroup, stage_blocks: int | None = None,
                  model_layers: tuple[int, int] = (0, 0), in_place: bool | None = None) -> None:
         """``model_layers``: (layers, tensors) of the model whose forward waits layer by layer
         (its tensors first in ``tensors``); (0, 0): none does. ``in_place``: whether in-step
@@ -117,8 +122,8 @@ class KVOffloader:
                         STORE: torch.cuda.Stream(self.device)} if self.on_gpu else {}
         # batches of blocks pass through these, contiguous, on their way to or from the slots
         # (one each: a load and a store may be in flight at once)
-        self.stage_blocks = stage_blocks
-        self.stages = {kind: torch.empty((stage_blocks, self.layout.block_bytes),
+        self.stage_blocks = stage_blocks or stage_blocks_for(self.layout.block_bytes, num_slots)
+        self.stages = {kind: torch.empty((self.stage_blocks, self.layout.block_bytes),
                                          dtype=torch.uint8, device=self.device)
                        for kind in (LOAD, STORE)}
         self.copies = BlockCopies(tensors, self.layout)  # one kernel a kind of all layers
@@ -506,6 +511,12 @@ class KVOffloader:
             self._host_ready(slot)
             self.disk.reuse(slot)
             self.host[slot].copy_(rows[row])
+
+
+def stage_blocks_for(block_bytes: int, num_slots: int) -> int:
+    """Blocks a staging batch holds: STAGE_BYTES of them, at least STAGE_BLOCKS, and no more
+    than the host tier has slots (a step moves each slot once at most)."""
+    return max(1, min(max(STAGE_BLOCKS, STAGE_BYTES // block_bytes), num_slots))
 
 
 def _runs(slots: list[int]) -> list[tuple[int, int, int]]:

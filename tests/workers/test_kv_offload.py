@@ -12,7 +12,13 @@ from kvstore.transfers import BlockLoad, DiskRead, DiskWrite, KVTransfers
 from tests.workers.gloo_group import gloo_group
 from workers.attention.layer_cache import LayerKVCache
 from workers.host_layout import BlockLayout, layer_tensors
-from workers.kv_offload import KVOffloader, blocks_of_requests
+from workers.kv_offload import (
+    STAGE_BLOCKS,
+    STAGE_BYTES,
+    KVOffloader,
+    blocks_of_requests,
+    stage_blocks_for,
+)
 from workers.layers.parallel import TensorParallelGroup
 
 NUM_BLOCKS, BLOCK_SIZE, HEADS, DIM = 8, 4, 2, 8
@@ -123,6 +129,17 @@ def test_more_blocks_than_a_staging_batch_in_scattered_slots_round_trip_exactly(
     assert all(torch.equal(a, b) for a, b in zip(originals, blocks_of(tensors, targets),
                                                  strict=True))
     assert all(not bits(t[:40]).any() for t in tensors)  # nothing else was written
+
+
+def test_a_staging_batch_holds_its_bytes_in_blocks_of_any_size_within_the_host_tier():
+    small, large = 192 << 10, 2 << 20  # the Qwen2.5-0.5B and Llama-3.1-8B shapes' blocks
+    assert stage_blocks_for(small, 10**5) == STAGE_BYTES // small == 341
+    assert stage_blocks_for(large, 10**5) == STAGE_BLOCKS == 64  # 128 MiB: never fewer
+    assert stage_blocks_for(small, 100) == 100  # a step moves each slot once at most
+    tensors = layer_tensors(caches(torch.float32))
+    offloader = KVOffloader(tensors, num_slots=6, disk_dir=None, tp=TensorParallelGroup.single())
+    assert offloader.stage_blocks == 6
+    assert offloader.stages["load"].shape == (6, offloader.layout.block_bytes)
 
 
 def test_device_to_host_to_disk_and_back_is_bit_exact(tmp_path):
