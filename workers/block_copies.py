@@ -50,26 +50,25 @@ class BlockCopies:
         self.block_bytes = layout.block_bytes
         self.groups = _groups(tensors, layout)
         self.width = word_bytes(self.block_bytes, self.groups)
-        self._words = [group.cache.view(WORDS[self.width]) for group in self.groups]
+        # each group's cache as (layers, blocks, words of a layer's block)
+        self.words = [group.cache.view(WORDS[self.width]) for group in self.groups]
 
     def gather(self, block_index: torch.Tensor, rows: torch.Tensor) -> None:
         """The blocks ``block_index`` (on the cache's device) into ``rows`` (the first
         ``len(block_index)`` rows of a contiguous uint8 staging buffer), one kernel a group."""
-        for group, cache in zip(self.groups, self._words, strict=True):
+        for group, cache in zip(self.groups, self.words, strict=True):
             torch.index_select(cache, 1, block_index, out=self._view(group, cache, rows))
 
     def scatter(self, block_index: torch.Tensor, rows: torch.Tensor) -> None:
         """``rows`` into the blocks ``block_index``: ``gather``'s inverse."""
-        for group, cache in zip(self.groups, self._words, strict=True):
+        for group, cache in zip(self.groups, self.words, strict=True):
             cache.index_copy_(1, block_index, self._view(group, cache, rows))
 
     def _view(self, group: CopyGroup, cache: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """The group's words of ``rows`` as (layers, rows, words of a layer's block)."""
         layers, _, size = cache.shape
         width = self.width
-        if rows.storage_offset() % width:
-            raise ValueError(f"staging rows must start at a multiple of {width} bytes")
-        words = rows.view(WORDS[width]) if width > 1 else rows
+        words = rows.view(WORDS[width])
         return words.as_strided((layers, rows.shape[0], size),
                                 (group.stride // width, self.block_bytes // width, 1),
                                 words.storage_offset() + group.offset // width)

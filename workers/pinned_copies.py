@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from workers.block_copies import WORDS, BlockCopies, word_bytes
+from workers.block_copies import WORDS, BlockCopies
 
 LAYER_CHUNKS = 8  # events a step's loads: more overlap, more launches
 MAX_BLOCK_WORDS = 1024
@@ -80,16 +80,15 @@ class PinnedCopies:
 
     def __init__(self, host: torch.Tensor, copies: BlockCopies, num_layers: int,
                  model_tensors: int, programs: int = COPY_PROGRAMS) -> None:
-        width = word_bytes(copies.block_bytes, copies.groups)
-        word = WORDS[width]
-        self.host = host.view(word)
+        width = copies.width
+        self.host = host.view(WORDS[width])
         self.slot_words = copies.block_bytes // width
         self.num_layers = num_layers
         self.programs = programs
-        self.kinds = [_Kind(group.cache.view(word), group.offset // width, group.stride // width,
+        self.kinds = [_Kind(words, group.offset // width, group.stride // width,
                             group.first_position < model_tensors
                             and group.cache.shape[0] == num_layers)
-                      for group in copies.groups]
+                      for group, words in zip(copies.groups, copies.words, strict=True)]
 
     def chunks(self, num_chunks: int = LAYER_CHUNKS) -> list[tuple[int, int]]:
         """[first, last) layers of each chunk, in order, every layer in one."""

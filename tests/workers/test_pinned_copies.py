@@ -22,13 +22,13 @@ from tests.workers.triton_interpreter import interpreter_fixes  # noqa: F401
 from workers.attention.layer_cache import LayerKVCache
 from workers.attention.metadata import whole_sequence
 from workers.attention.reference import ReferenceAttentionBackend
-from workers.block_copies import BlockCopies
+from workers.block_copies import BlockCopies, word_bytes
 from workers.host_layout import BlockLayout, layer_tensors
 from workers.kv_offload import KVOffloader
 from workers.layer_gate import LayerGate
 from workers.layers.parallel import TensorParallelGroup
 from workers.loader import load_model
-from workers.pinned_copies import PinnedCopies, word_bytes
+from workers.pinned_copies import PinnedCopies
 
 SINGLE = TensorParallelGroup.single()
 
