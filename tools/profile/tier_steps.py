@@ -19,6 +19,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import torch
+
 from cluster.bench import commands, prefix_tiers
 from cluster.bench.__main__ import main as bench_main
 from cluster.bench.report import markdown_table
@@ -44,9 +46,11 @@ PARTS: list[tuple[type, str, str]] = [
 ]
 BUSY = "busy blocks"  # kv_offload.blocks_of_requests, as the worker calls it
 LOADED, STORED = "blocks loaded", "blocks stored"  # by the step's message, not seconds
+PROMPT = "prompt tokens"  # the step's prefill tokens (rows of more than one new token)
+DEVICE = "device"  # the compute stream's time from the worker's copies to its forward's end
 Step = collections.defaultdict[str, float]  # a missing part: 0.0
 COLUMNS = ["step", *[part for _, _, part in PARTS[:5]], BUSY,
-           *[part for _, _, part in PARTS[5:]]]
+           *[part for _, _, part in PARTS[5:]], DEVICE]
 
 
 class StepParts:
@@ -57,6 +61,8 @@ class StepParts:
         self.steps: list[Step] = []
         self.current: Step | None = None
         self._undo: list[Callable[[], None]] = []
+        # (step, start, end) CUDA events, read into the step's DEVICE once the run is over
+        self._device_spans: list[tuple[Step, Any, Any]] = []
 
     def _count(self, part: str, function: Callable[..., Any]) -> Callable[..., Any]:
         def timed(*args: Any, **kwargs: Any) -> Any:
@@ -94,6 +100,38 @@ class StepParts:
             return plan
         return counted
 
+    def _scheduled(self, schedule: Callable[..., Any]) -> Callable[..., Any]:
+        def counted(scheduler: Scheduler) -> Any:
+            output = schedule(scheduler)
+            if self.current is not None:
+                self.current[PROMPT] += sum(
+                    item.num_new_tokens for item in output.scheduled
+                    if item.num_new_tokens > 1 + item.num_drafts)
+            return output
+        return counted
+
+    def _on_device(self, execute: Callable[..., Any]) -> Callable[..., Any]:
+        """The step's copies and forward timed on the compute stream by two CUDA events:
+        whether the device, not the host, is what a step waits for."""
+        def timed(worker_: Any, step: Any) -> Any:
+            if self.current is None or worker_.device.type != "cuda":
+                return execute(worker_, step)
+            start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+            start.record()
+            try:
+                return execute(worker_, step)
+            finally:
+                end.record()
+                self._device_spans.append((self.current, start, end))
+        return timed
+
+    def read_device_times(self) -> None:
+        """Each timed step's device milliseconds, once its events are done."""
+        for step, start, end in self._device_spans:
+            end.synchronize()
+            step[DEVICE] = start.elapsed_time(end) / 1e3  # seconds, as the other parts
+        self._device_spans.clear()
+
     @contextmanager
     def active(self) -> Iterator["StepParts"]:
         for owner, name, part in PARTS:
@@ -104,6 +142,9 @@ class StepParts:
                     self._step(llm_engine.LLMEngine.__dict__["_advance"]))
         self._patch(KVCacheManager, "take_transfers",
                     self._transfers(KVCacheManager.__dict__["take_transfers"]))
+        self._patch(Scheduler, "schedule", self._scheduled(Scheduler.__dict__["schedule"]))
+        self._patch(worker.Worker, "_execute_with_copies",
+                    self._on_device(worker.Worker.__dict__["_execute_with_copies"]))
         try:
             yield self
         finally:
@@ -114,7 +155,9 @@ class StepParts:
 def kind_of(step: Step) -> str:
     if step[LOADED]:
         return "loads"
-    return "stores only" if step[STORED] else "neither"
+    if step[PROMPT]:
+        return "prefill"
+    return "decode, stores" if step[STORED] else "decode"
 
 
 def by_kind(steps: list[Step]) -> dict[str, dict[str, float]]:
@@ -126,7 +169,8 @@ def by_kind(steps: list[Step]) -> dict[str, dict[str, float]]:
     for kind, group in groups.items():
         n = max(len(group), 1)
         row = {"steps": float(len(group)),
-               "blocks a step": sum(s[LOADED] + s[STORED] for s in group) / n}
+               "blocks a step": sum(s[LOADED] + s[STORED] for s in group) / n,
+               PROMPT: sum(s[PROMPT] for s in group) / n}
         row |= {part: sum(s[part] for s in group) / n * 1e3 for part in COLUMNS}
         table[kind] = row
     return table
@@ -151,6 +195,7 @@ def run(argv: list[str]) -> dict[str, dict[str, dict[str, float]]]:
             engines.append(llm)
         parts.steps = []
         result = setup_run(setup, llm, requests, arrivals)
+        parts.read_device_times()
         runs[names[engines.index(llm)]] = parts.steps  # the warm-up's, then the timed run's
         return result
 
@@ -169,10 +214,10 @@ def run(argv: list[str]) -> dict[str, dict[str, dict[str, float]]]:
 def main(argv: list[str] | None = None) -> int:
     tables = run(sys.argv[1:] if argv is None else argv)
     for name, kinds in tables.items():
-        rows = [[kind, int(row["steps"]), row["blocks a step"], *(row[c] for c in COLUMNS)]
-                for kind, row in kinds.items()]
-        print(f"\n{name}: host ms a step, by part\n")
-        print(markdown_table(["steps of", "steps", "blocks a step", *COLUMNS], rows))
+        rows = [[kind, int(row["steps"]), row["blocks a step"], row[PROMPT],
+                 *(row[c] for c in COLUMNS)] for kind, row in kinds.items()]
+        print(f"\n{name}: host ms a step, by part (device: the compute stream's ms)\n")
+        print(markdown_table(["steps of", "steps", "blocks a step", PROMPT, *COLUMNS], rows))
     return 0
 
 
