@@ -80,6 +80,19 @@ class KVTransfers:
                     or self.from_disk or self.loads or self.stores)
 
 
+@dataclass(frozen=True)
+class StepCost:
+    """A step that computed prompt tokens, as the driver worker timed it: the compute stream's
+    time from its copies to its end on a GPU (the device's time, or the host's launches where
+    the device waited for them: whichever bounds the step), wall time on the CPU. The rates a
+    load is priced by (router/live_rates.py) come from these."""
+
+    prompt_tokens: int  # in rows of more than one new token (drafts aside)
+    total_tokens: int
+    loaded_blocks: int  # host-tier blocks loaded before its forward
+    seconds: float
+
+
 @dataclass
 class TransferReport:
     """What the workers finished since their last report."""
@@ -92,7 +105,9 @@ class TransferReport:
     # device <-> host copies finished since, and their time on the copy stream: the rate
     copied_bytes: int = 0
     copy_seconds: float = 0.0
+    steps: list[StepCost] = field(default_factory=list)  # timed since, in the order they ran
 
     @property
     def is_empty(self) -> bool:
-        return not (self.loaded or self.failed_reads or self.disk_error or self.copied_bytes)
+        return not (self.loaded or self.failed_reads or self.disk_error or self.copied_bytes
+                    or self.steps)

@@ -109,8 +109,6 @@ class SchedulerOutput:
     num_steps: int = 1  # > 1: every scheduled sequence decodes this many tokens in one call
     lookahead: bool = False  # and one step more, the next call's first (a slot is allocated)
     launched: bool = False  # its tokens are read a call later (``Scheduler.launched``)
-    # prompt tokens whose blocks come from the host tier in this step, before its forward
-    num_loaded_tokens: int = 0
 
     @property
     def is_empty(self) -> bool:
@@ -320,7 +318,6 @@ class Scheduler:
             if num_loaded:
                 assert below is not None
                 self.loads.start_in_step(seq, below)
-                output.num_loaded_tokens += num_loaded
                 num_cached = computed
             host, disk = self.loads.loaded_tokens.pop(seq.request_id, (0, 0))
             host = min(host + num_loaded, num_cached)  # what a load brought and is still cached
@@ -334,19 +331,12 @@ class Scheduler:
                 in_flight.update(self.kv.uncached_hashes(seq.request_id))
 
     def observe_step(self, output: SchedulerOutput, seconds: float) -> None:
-        """A call's time: the step cost the token budget follows (router/token_budget.py) and
-        the prefill rate loads are priced against (router/live_rates.py)."""
-        if not self.token_budget.target_s and self.rates is None:
-            return  # neither is on: nothing to count in the step
+        """A call's time: the step cost the token budget follows (router/token_budget.py). The
+        rates loads are priced by come from the workers' timed steps (``apply_transfers``)."""
+        if not self.token_budget.target_s:
+            return  # off: nothing to count in the step
         tokens = sum(item.num_new_tokens for item in output.scheduled)
         self.token_budget.observe(output.num_steps, tokens, seconds)
-        if self.rates is None:
-            return
-        if output.num_loaded_tokens:
-            return  # its time holds the loads' too: recomputing would look dearer than it is
-        prompt = sum(item.num_new_tokens for item in output.scheduled
-                     if item.num_new_tokens > 1 + item.num_drafts)
-        self.rates.observe_step(prompt, tokens, seconds)
 
     def apply_transfers(self, report: TransferReport) -> dict[str, LoadResult]:
         """The workers' report of KV copies: each sequence whose load landed goes back to the
@@ -354,6 +344,8 @@ class Scheduler:
         the finished loads' results."""
         if self.rates is not None:
             self.rates.observe_copies(report.copied_bytes, report.copy_seconds)
+            for cost in report.steps:
+                self.rates.observe_step_cost(cost)
         results, back = self.loads.landed(report)
         self.waiting.extendleft(reversed(back))
         return results

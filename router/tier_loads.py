@@ -8,7 +8,9 @@ report the blocks landed (``landed``), or when the load is given up: not back wi
 ``timeout_s`` (``expired``), or back with no block intact. A sequence whose load was given up
 loads no more; it recomputes. A load is started only where it is cheaper than recomputing the
 same tokens (kv_pricing.py), at the rates the engine measures as it runs, behind the loads
-queued before it (live_rates.py).
+queued before it (live_rates.py). Those rates are measured on the loads themselves, so of the
+loads priced out, every ``PROBE_EVERY``-th is started anyway: where loads got cheaper again
+(the steps lighter, the bus free), the price follows.
 """
 
 from collections.abc import Callable
@@ -20,6 +22,8 @@ from kvstore.transfers import TransferReport
 from router.kv_pricing import load_pays
 from router.live_rates import LiveRates
 from router.sequence import Sequence
+
+PROBE_EVERY = 16  # of the loads the price turns down, this one in so many is started anyway
 
 
 class TierLoads:
@@ -38,6 +42,7 @@ class TierLoads:
         # sequences admitted in the step that loads their prefix from the host tier, until
         # the workers report the load (``start_in_step``)
         self.in_step: set[str] = set()
+        self.num_priced_out = 0  # loads the price turned down, since start-up
 
     def find(self, seq: Sequence, num_hits: int) -> OffloadHits | None:
         """The blocks to load from below the pool, after ``num_hits`` device hits: none where
@@ -50,7 +55,9 @@ class TierLoads:
         rates, queued = (self.rates.current(), self.rates.queued_blocks) if self.rates else (
             None, 0)
         if not load_pays(rates, below.num_blocks, below.num_blocks * self.kv.block_size, queued):
-            return None
+            self.num_priced_out += 1
+            if self.num_priced_out % PROBE_EVERY:
+                return None  # recomputed; the next probe measures loads again
         return below
 
     def start(self, seq: Sequence, hits: list[KVBlock], num_cached: int,

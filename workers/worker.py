@@ -60,6 +60,7 @@ from workers.step_input import (
     StepInput,
     StepOutput,
 )
+from workers.step_timer import StepTimer
 from workers.structured.masks import LogitConstraints
 from workers.worker_config import WorkerConfig, make_attention_backend
 
@@ -90,6 +91,7 @@ class Worker:
         self.states: dict[str, RequestState] = {}
         self.kv_caches: KVCaches = []
         self.offloader: KVOffloader | None = None  # copies to and from the host and disk tiers
+        self.step_timer: StepTimer | None = None  # the driver's on a GPU, beside the offloader
         # the last step's rows: their sequences' blocks may still be in use on the device
         self.last_scheduled: list[ScheduledRequest] = []
         # an int8 cache's keys less each layer's mean, calibrated in init_kv_cache
@@ -190,6 +192,7 @@ class Worker:
         self.centers_digest = centers_digest(self.key_centers, self.tp)  # a collective too
         self._allocate_kv_cache(num_blocks)
         self.offloader = None
+        self.step_timer = None
         self.model.model.layer_gate = None
         if self.config.host_kv_cache_bytes:
             tensors = layer_tensors(self.kv_caches) + self._draft_block_tensors()
@@ -206,6 +209,9 @@ class Worker:
                                          else False)
             if self.offloader.pinned is not None:  # else no forward has a layer to wait for
                 self.model.model.layer_gate = self.offloader.gate
+            # what the steps that load and those that compute cost: the prices of loads
+            on_gpu = self.device.type == "cuda"
+            self.step_timer = StepTimer() if on_gpu and self.is_driver else None
         # what the engine admits: no sequence outgrows its length or the cache
         model_len = self.config.max_model_len or self.hf_config.max_position_embeddings
         max_model_len = min(model_len, num_blocks * self.config.block_size)
@@ -320,6 +326,9 @@ class Worker:
             if step.transfers is not None:
                 raise ValueError("a step carries KV copies, but this worker has no host buffer")
             return self._execute(step)
+        timer = self.step_timer
+        if timer is not None:
+            timer.start()
         offloader.before_step(
             step.transfers, *blocks_in_use(step, self.config.block_size),
             busy=lambda: blocks_of_requests(
@@ -327,6 +336,9 @@ class Worker:
         output = self._execute(step)
         offloader.after_step(step.transfers)
         report = offloader.report(idle=not step.scheduled)
+        if timer is not None:
+            timer.stop(step)
+            report.steps = timer.take()
         if output is not None:
             output.transfers = report
         return output

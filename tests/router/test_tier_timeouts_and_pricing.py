@@ -2,16 +2,27 @@
 against the recompute by the measured rates; blocks exported to and imported from another
 replica's host tier. Exact slots, plans and counts; every tier conserved after each scenario."""
 
+import pytest
+
 from kvstore.block_hash import hash_full_blocks
 from kvstore.disk_tier import DiskTier
 from kvstore.host_tier import HostTier
 from kvstore.kv_cache_manager import KVCacheManager
 from kvstore.tiers import TierManager
-from kvstore.transfers import BlockLoad, DiskWrite, HostImport, KVTransfers, TransferReport
+from kvstore.transfers import (
+    BlockLoad,
+    DiskWrite,
+    HostImport,
+    KVTransfers,
+    StepCost,
+    TransferReport,
+)
 from router.kv_pricing import TransferRates
+from router.live_rates import HALF_LIFE_S, PRIOR_S, LiveRates
 from router.sampling_params import SamplingParams
 from router.scheduler import Scheduler, SchedulerConfig
 from router.sequence import Sequence
+from router.tier_loads import PROBE_EVERY
 
 BS = 4
 PROMPT = list(range(100, 113))  # 13 tokens: 3 full blocks and one token
@@ -181,26 +192,50 @@ def test_imported_blocks_take_host_slots_after_the_evicted_ones_go_to_disk(tmp_p
     tiers.check_integrity()
 
 
-def test_a_step_that_loads_from_the_host_tier_does_not_count_as_prefill_time():
-    first = list(range(300, 370))  # 70 tokens in two chunks of the 64-token budget
-    sched = make(num_blocks=60, host_slots=60, rates=FAST)
-    sched.add(Sequence("a", first, SamplingParams(max_tokens=1)))
-    step(sched)
-    step(sched)  # the write-through of the first chunk's 16 blocks
-    sched.kv.reset_prefix_cache()
-    assert sched.rates is not None and len(sched.kv.tiers.host) == 16
-    before = sched.rates.current().prefill_tokens_per_s
-    # 64 tokens loaded, 64 computed: a step the prefill rate would count, were it not loading
-    sched.add(Sequence("b", first + list(range(700, 764)), SamplingParams(max_tokens=1)))
-    loading = sched.schedule()
-    assert loading.num_loaded_tokens == 64
-    assert [(s.seq.num_computed_tokens, s.num_new_tokens) for s in loading.scheduled] == [(64, 64)]
-    sched.observe_step(loading, 10.0)  # 10 s, the loads' time in it
-    assert sched.rates.current().prefill_tokens_per_s == before
-    sched.add(Sequence("c", list(range(500, 570)), SamplingParams(max_tokens=1)))
-    sched.update(loading, {})
-    computing = sched.schedule()
-    assert computing.num_loaded_tokens == 0
-    assert [(s.seq.request_id, s.num_new_tokens) for s in computing.scheduled][-1] == ("c", 58)
-    sched.observe_step(computing, 10.0)
-    assert sched.rates.current().prefill_tokens_per_s < before
+def test_a_step_that_loads_is_priced_by_its_cost_beyond_its_prompt_tokens():
+    sched = make(rates=FAST)  # 1,000 tokens/s; 1 GB/s of copies; 1,000-byte blocks
+    cached_then_evicted(sched)
+    # a prefill step: 200 tokens in 0.1 s, the prefill rate's only measure for a half-life
+    sched.apply_transfers(TransferReport(steps=[StepCost(200, 200, 0, HALF_LIFE_S)]))
+    prefill = (1000.0 * PRIOR_S / 2 + 200) / (PRIOR_S / 2 + HALF_LIFE_S)
+    assert sched.rates.current().prefill_tokens_per_s == pytest.approx(prefill)
+    # a step that loaded 3 blocks (3,000 bytes) and computed 3 prompt tokens in 1 s: the
+    # blocks cost what the step did beyond those tokens, far more than their copy
+    sched.apply_transfers(TransferReport(steps=[StepCost(3, 5, 3, 1.0)]))
+    loads = sched.rates.loads
+    load_seconds = 1.0 - 3 / prefill
+    keep = 0.5 ** (load_seconds / HALF_LIFE_S)  # the prior: 16 blocks' copy, 16 us
+    assert loads.amount == pytest.approx(16_000 * keep + 3000)
+    assert loads.seconds == pytest.approx(16e-6 * keep + load_seconds)
+    assert sched.rates.current().host_copy_bytes_per_s == pytest.approx(loads.rate)
+    assert sched.rates.current().prefill_tokens_per_s == pytest.approx(prefill)  # unmoved
+    # so a 3-block load (~0.27 s at that rate) now costs more than its 12 tokens (~55 ms)
+    sched.add(Sequence("b", PROMPT + [5, 6], SamplingParams(max_tokens=1)))
+    ran, transfers = step(sched)
+    assert ran == [("b", 0, 15)] and transfers is None
+
+
+def test_a_step_whose_loads_hid_under_its_compute_costs_them_their_copy_alone():
+    live = LiveRates(TransferRates(1000.0, 1e6, 1000))  # a block copies in 1 ms
+    live.observe_step_cost(StepCost(1000, 1000, 2, 0.5))  # 1 s of prompt tokens in 0.5 s
+    keep = 0.5 ** (0.002 / HALF_LIFE_S)  # the prior: 16 blocks' copy, 16 ms
+    assert live.loads.amount == pytest.approx(16_000 * keep + 2000)
+    assert live.loads.seconds == pytest.approx(0.016 * keep + 0.002)
+    assert live.current().host_copy_bytes_per_s == pytest.approx(1e6)
+
+
+def test_of_the_loads_priced_out_every_sixteenth_is_started_to_measure_them_again():
+    sched = make(num_blocks=40, rates=SLOW)
+    cached_then_evicted(sched)
+    for index in range(PROBE_EVERY):
+        request_id = f"b{index}"
+        sched.add(Sequence(request_id, PROMPT + [5, 6], SamplingParams(max_tokens=1)))
+        ran, transfers = step(sched)
+        if index < PROBE_EVERY - 1:
+            assert ran == [(request_id, 0, 15)] and transfers is None  # recomputed
+        else:
+            assert ran == [(request_id, 12, 3)]
+            assert [(load.request_id, load.host_slots) for load in transfers.loads] == [
+                (request_id, [0, 1, 2])]
+        sched.kv.reset_prefix_cache()  # the next one finds the host tier's blocks alone
+    assert sched.loads.num_priced_out == PROBE_EVERY

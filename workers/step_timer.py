@@ -1,0 +1,62 @@
+"""Each prefill step's cost on whichever of the host and the device bounds it, for the prices
+of loads against recomputes (router/live_rates.py). On a GPU only: on the CPU the start-up
+rates price every load (and the tests' loads stay independent of the machine's speed).
+
+A pair of CUDA events on the compute stream around the step's copies, forward and stores: the
+first fires when the device gets to the step (after the step before), the second when it has
+done the step's work, so the span is the device's time for the step, or, where the device ran
+ahead and waited for the host's launches, the host's. Neither event is waited for: a step's
+cost is reported once its second event has fired (``take``), a step or two later.
+"""
+
+from collections import deque
+
+import torch
+
+from kvstore.transfers import StepCost
+from workers.step_input import StepInput
+
+
+def prompt_tokens(step: StepInput) -> int:
+    """Tokens of the step's rows that compute more than their next token and drafts."""
+    return sum(item.num_new_tokens for item in step.scheduled
+               if item.num_new_tokens > 1 + len(item.draft_token_ids) + item.num_model_drafts)
+
+
+def loaded_blocks(step: StepInput) -> int:
+    """Blocks the step's message loads from the host tier before its forward."""
+    if step.transfers is None:
+        return 0
+    return sum(len(load.block_ids) for load in step.transfers.loads)
+
+
+class StepTimer:
+    def __init__(self) -> None:
+        self._start: torch.cuda.Event | None = None
+        # (prompt tokens, tokens, loaded blocks) of each timed step, and its two events
+        self._in_flight: deque[tuple[tuple[int, int, int], torch.cuda.Event,
+                                     torch.cuda.Event]] = deque()
+
+    def start(self) -> None:
+        self._start = torch.cuda.Event(enable_timing=True)
+        self._start.record()
+
+    def stop(self, step: StepInput) -> None:
+        """The step started last ends here: timed if it computed prompt tokens."""
+        start, self._start = self._start, None
+        assert start is not None, "a step stopped that was not started"
+        num_prompt = prompt_tokens(step)
+        if not num_prompt:
+            return
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        total = sum(item.num_new_tokens for item in step.scheduled)
+        self._in_flight.append(((num_prompt, total, loaded_blocks(step)), start, end))
+
+    def take(self) -> list[StepCost]:
+        """The timed steps that have finished since the last call, in the order they ran."""
+        done = []
+        while self._in_flight and self._in_flight[0][2].query():
+            ran, start, end = self._in_flight.popleft()
+            done.append(StepCost(*ran, start.elapsed_time(end) / 1e3))
+        return done
