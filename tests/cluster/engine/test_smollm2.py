@@ -23,10 +23,29 @@ def llm():
     return LLM(DEFAULT_MODEL, device="cpu", dtype="float32", block_size=16, num_kv_blocks=256)
 
 
-def test_chat_matches_transformers_token_for_token(llm):
+@pytest.fixture(scope="module")
+def hf():
+    """transformers' model, loaded once for the tests that compare against it."""
+    return AutoModelForCausalLM.from_pretrained(model_path(DEFAULT_MODEL), dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def greedy_answers(llm):
+    """The engine's greedy answers to QUESTIONS, asked together (each of the real model's 48
+    decode steps costs ~0.1 s here): computed once, for the tests that compare with them."""
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
-    outputs = llm.chat([[{"role": "user", "content": q}] for q in QUESTIONS], params)
-    hf = AutoModelForCausalLM.from_pretrained(model_path(DEFAULT_MODEL), dtype=torch.float32)
+    return llm.chat([[{"role": "user", "content": q}] for q in QUESTIONS], params)
+
+
+@pytest.fixture(scope="module")
+def first_answer_alone(llm):
+    """The engine's greedy answer to the first question, asked alone."""
+    messages = [{"role": "user", "content": QUESTIONS[0]}]
+    return llm.chat(messages, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))[0]
+
+
+def test_chat_matches_transformers_token_for_token(llm, hf, greedy_answers):
+    outputs = greedy_answers
     for question, out in zip(QUESTIONS, outputs, strict=True):
         prompt = llm.engine.chat_prompt([{"role": "user", "content": question}])
         expected = hf.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS,
@@ -37,9 +56,9 @@ def test_chat_matches_transformers_token_for_token(llm):
     assert "<|im_end|>" not in outputs[0].text
 
 
-def test_stop_string_is_cut_from_the_text(llm):
+def test_stop_string_is_cut_from_the_text(llm, first_answer_alone):
     messages = [{"role": "user", "content": QUESTIONS[0]}]
-    full = llm.chat(messages, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))[0]
+    full = first_answer_alone
     assert "France is Paris" in full.text
     out = llm.chat(messages, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS,
                                             stop=["is Paris"]))[0]
@@ -86,16 +105,15 @@ def test_shared_system_prompt_hits_the_prefix_cache(llm):
     assert all(out.metrics.num_cached_tokens >= 64 for out in outputs)
 
 
-def test_min_tokens_holds_eos_back_as_transformers_does(llm):
+def test_min_tokens_holds_eos_back_as_transformers_does(llm, hf, first_answer_alone):
     """The greedy answer ends with EOS after some tokens; asked for more than that, the EOS is
     masked until then (token for token transformers' min_new_tokens), in one-step and
     multi-step calls alike, and a stop string before min_tokens does not end it."""
     messages = [{"role": "user", "content": QUESTIONS[0]}]
-    natural = llm.chat(messages, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))[0]
+    natural = first_answer_alone
     assert natural.finish_reason == "stop" and len(natural.token_ids) < MAX_TOKENS - 12
     at_least = len(natural.token_ids) + 6
     params = SamplingParams(temperature=0.0, max_tokens=at_least + 6, min_tokens=at_least)
-    hf = AutoModelForCausalLM.from_pretrained(model_path(DEFAULT_MODEL), dtype=torch.float32)
     prompt = llm.engine.chat_prompt(messages)
     expected = hf.generate(torch.tensor([prompt]), max_new_tokens=at_least + 6,
                            min_new_tokens=at_least, do_sample=False)[0, len(prompt):].tolist()
@@ -112,13 +130,13 @@ def test_min_tokens_holds_eos_back_as_transformers_does(llm):
     assert len(stopped.token_ids) >= at_least
 
 
-def test_the_shipped_eagle3_head_drafts_the_same_tokens_and_is_accepted(llm):
+def test_the_shipped_eagle3_head_drafts_the_same_tokens_and_is_accepted(greedy_answers):
     """`{"method": "eagle3", "model": "smollm2-135m-instruct-eagle3"}` works out of the box:
     the packaged head (hash-checked) keeps the plain engine's greedy tokens, and its drafts
     are accepted (a random head of this shape makes ~1.0 tokens a verify)."""
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
     conversations = [[{"role": "user", "content": q}] for q in QUESTIONS]
-    plain = llm.chat(conversations, params)
+    plain = greedy_answers  # the plain engine's answers to the same conversations and params
     eagle = LLM(DEFAULT_MODEL, device="cpu", dtype="float32", block_size=16, num_kv_blocks=256,
                 speculative_config={"method": "eagle3", "model": "smollm2-135m-instruct-eagle3",
                                     "num_speculative_tokens": 3, "adaptive": False})

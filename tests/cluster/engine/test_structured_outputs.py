@@ -97,8 +97,17 @@ def test_async_scheduling_runs_constrained_and_penalized_rows_ahead_with_the_sam
         assert (ahead.engine.scheduler.num_preemptions > 0) == (blocks == 6)
 
 
+SPECULATED = [PROMPT, 'Repeat: {"name": "Ann", "age": 3, "languages": ["en"]}']
+
+
+@pytest.fixture(scope="module")
+def greedy_structured(llm):
+    """The plain engine's greedy objects for SPECULATED: computed once, for each proposer."""
+    return [o.outputs[0].token_ids for o in llm.generate(SPECULATED, structured(json=PERSON))]
+
+
 @pytest.mark.parametrize("proposer", ["ngram", "draft"])
-def test_speculation_keeps_the_greedy_structured_output(llm, proposer):
+def test_speculation_keeps_the_greedy_structured_output(greedy_structured, proposer):
     # the draft model (the target itself, fixed length) proposes without the grammar: drafts
     # are cut at the first token it rejects
     config = ({"method": "ngram", "num_speculative_tokens": 4} if proposer == "ngram" else
@@ -106,10 +115,8 @@ def test_speculation_keeps_the_greedy_structured_output(llm, proposer):
                "adaptive": False})
     spec = LLM(DEFAULT_MODEL, device="cpu", dtype="float32", block_size=16, num_kv_blocks=256,
                speculative_config=config)
-    prompts = [PROMPT, 'Repeat: {"name": "Ann", "age": 3, "languages": ["en"]}']
-    expected = [o.outputs[0].token_ids for o in llm.generate(prompts, structured(json=PERSON))]
-    outs = spec.generate(prompts, structured(json=PERSON))
-    assert [o.outputs[0].token_ids for o in outs] == expected
+    outs = spec.generate(SPECULATED, structured(json=PERSON))
+    assert [o.outputs[0].token_ids for o in outs] == greedy_structured
     stats = spec.engine.stats()
     assert stats.spec_decode_num_draft_tokens > 0 and stats.spec_decode_num_accepted_tokens > 0
 
