@@ -5,11 +5,13 @@ Runs `tandem bench prefix` (recompute beside the host tier, W4-large's arguments
 engine step (``LLMEngine._advance``) timed by part on the host's clock: the scheduler, the step
 message, the worker's copies before the forward (within them the loads, the set of blocks the
 step in flight uses, the index tensors, the compute stream's waits), the forward with sampling,
-the write-through after it, the copies' report, the commit. Steps are grouped by the copies
-their message carries (loads; stores only; neither), each group with its steps, the blocks
-a step moved and the mean milliseconds of each part, so that what a step with copies costs
-beyond one without them is read off by part. On a GPU the parts are host time (launches,
-Python, and any wait the host makes); the device's own time is not in them.
+the write-through after it, the copies' report, the commit. Steps are grouped by what they
+ran (loads; else prefill, with prompt tokens; else decode, with stores or without), each group
+with its steps, the blocks a step moved, its prompt tokens and the mean milliseconds of each
+part, so that what a step with copies costs beyond one without them is read off by part. On a
+GPU the parts are host time (launches, Python, and any wait the host makes); ``device`` is the
+compute stream's time from the worker's copies to the step's end (two CUDA events), which
+equals the host's parts where the device waits for the host's launches.
 """
 
 import collections
