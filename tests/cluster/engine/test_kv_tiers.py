@@ -1,8 +1,8 @@
 """The engine with KV tiers, on the CPU in float32: a device pool far smaller than the working
 set, greedy output equal to transformers', repeats served from the host tier (loaded by the
 step that runs them) and from disk (exact token counts), a second engine reading the first
-one's disk tier, swap preemption, refused block files, a disk that fails mid-run, and bad
-configuration."""
+one's disk tier, swap preemption, refused block files, a disk that fails mid-run, bad
+configuration, and loads turned into recomputes once their steps are measured to cost more."""
 
 import logging
 import shutil
@@ -14,6 +14,8 @@ from transformers import AutoModelForCausalLM
 from cluster import LLM, SamplingParams
 from kvstore.block_file import block_file_name
 from kvstore.block_hash import hash_full_blocks
+from kvstore.transfers import StepCost
+from workers.step_timer import loaded_blocks, prompt_tokens
 
 BS = 4  # tokens per block
 BLOCK_BYTES = 2048  # the tiny llama's block: 2 layers x K and V x 4 tokens x 2 heads x 16 x 4 B
@@ -295,3 +297,41 @@ def test_int8_blocks_and_their_scales_come_back_from_host_and_disk(model, tmp_pa
     assert after[1] > before[1] and after[2] > before[2]  # from the host tier and from disk
     assert after[0] - before[0] == FINDABLE
 
+
+
+class TimerStandIn:
+    """The GPU's step timer on the CPU: a prefill step costs a millisecond and
+    ``seconds_a_block`` for each block it loaded."""
+
+    def __init__(self, seconds_a_block: float) -> None:
+        self.seconds_a_block = seconds_a_block
+        self.costs: list[StepCost] = []
+
+    def start(self) -> None:
+        pass
+
+    def stop(self, step) -> None:
+        if prompt_tokens(step):
+            self.costs.append(StepCost(prompt_tokens(step), prompt_tokens(step),
+                                       loaded_blocks(step),
+                                       1e-3 + self.seconds_a_block * loaded_blocks(step)))
+
+    def take(self) -> list[StepCost]:
+        costs, self.costs = self.costs, []
+        return costs
+
+
+def test_loads_whose_steps_cost_more_than_recomputing_turn_into_recomputes(model, expected):
+    llm = engine(model, host_kv_cache_gb=gib(100))
+    generate(llm)
+    llm.engine.scheduler.kv.reset_prefix_cache()
+    # a second a loaded block: the first load's step (4 blocks in 4 s, ~2.5 KB/s with the
+    # prior) teaches the engine that loads don't pay; the other seven prompts recompute
+    llm.engine.executor.worker.step_timer = TimerStandIn(1.0)
+    before = hits(llm)
+    assert generate(llm) == expected
+    after = hits(llm)
+    first_load = (len(PROMPTS[0]) - 1) // BS * BS
+    assert (after[0] - before[0], after[1] - before[1]) == (first_load, first_load)
+    rates = llm.engine.scheduler.rates
+    assert rates is not None and rates.current().host_copy_bytes_per_s < 1e5
