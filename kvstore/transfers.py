@@ -82,9 +82,9 @@ class KVTransfers:
 
 @dataclass(frozen=True)
 class StepCost:
-    """A step that computed prompt tokens, as the driver worker timed it: the compute stream's
-    time from its copies to its end on a GPU (the device's time, or the host's launches where
-    the device waited for them: whichever bounds the step), wall time on the CPU. The rates a
+    """A step that computed prompt tokens, as the driver worker timed it on a GPU: the compute
+    stream's time from its copies to its end (the device's time, or the host's launches where
+    the device waited for them: whichever bounds the step; workers/step_timer.py). The rates a
     load is priced by (router/live_rates.py) come from these."""
 
     prompt_tokens: int  # in rows of more than one new token (drafts aside)

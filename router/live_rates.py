@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 from kvstore.transfers import StepCost
 from router.kv_pricing import TransferRates
 
-HALF_LIFE_S = 1.0  # of measured copy (or prefill) time
+HALF_LIFE_S = 1.0  # of measured copy (prefill, loading steps') time
 PRIOR_S = 0.05  # the start-up measurement's weight, in measured seconds
 # the loads' rate starts at the copy's, weighing as this many blocks' copy: a step that loads
 # a prefix outweighs it at once (a prior of PRIOR_S at the copy's rate, gigabytes, would take

@@ -1,6 +1,7 @@
 """Each prefill step's cost on whichever of the host and the device bounds it, for the prices
-of loads against recomputes (router/live_rates.py). On a GPU only: on the CPU the start-up
-rates price every load (and the tests' loads stay independent of the machine's speed).
+of loads against recomputes (router/live_rates.py). On a GPU only: on the CPU the measured
+copies and the start-up prefill rate price the loads (so the tests' loads do not depend on the
+machine's speed).
 
 A pair of CUDA events on the compute stream around the step's copies, forward and stores: the
 first fires when the device gets to the step (after the step before), the second when it has
