@@ -82,10 +82,11 @@ class KVTransfers:
 
 @dataclass(frozen=True)
 class StepCost:
-    """A step that computed prompt tokens, as the driver worker timed it on a GPU: the compute
-    stream's time from its copies to its end (the device's time, or the host's launches where
-    the device waited for them: whichever bounds the step; workers/step_timer.py). The rates a
-    load is priced by (router/live_rates.py) come from these."""
+    """A step that computed prompt tokens or loaded blocks, as the driver worker timed it on a
+    GPU: the compute stream's time from its copies to its end (the device's time, or the
+    host's launches where the device waited for them: whichever bounds the step;
+    workers/step_timer.py). The rates a load is priced by (router/live_rates.py) come from
+    these."""
 
     prompt_tokens: int  # in rows of more than one new token (drafts aside)
     total_tokens: int

@@ -1,7 +1,7 @@
-"""Each prefill step's cost on whichever of the host and the device bounds it, for the prices
-of loads against recomputes (router/live_rates.py). On a GPU only: on the CPU the measured
-copies and the start-up prefill rate price the loads (so the tests' loads do not depend on the
-machine's speed).
+"""Each prefill or loading step's cost on whichever of the host and the device bounds it, for
+the prices of loads against recomputes (router/live_rates.py). On a GPU only: on the CPU the
+measured copies and the start-up prefill rate price the loads (so the tests' loads do not
+depend on the machine's speed).
 
 A pair of CUDA events on the compute stream around the step's copies, forward and stores: the
 first fires when the device gets to the step (after the step before), the second when it has
@@ -43,16 +43,17 @@ class StepTimer:
         self._start.record()
 
     def stop(self, step: StepInput) -> None:
-        """The step started last ends here: timed if it computed prompt tokens."""
+        """The step started last ends here: timed if it computed prompt tokens or loaded
+        blocks (a prompt whose every full block loads runs its last token alone)."""
         start, self._start = self._start, None
         assert start is not None, "a step stopped that was not started"
-        num_prompt = prompt_tokens(step)
-        if not num_prompt:
+        num_prompt, num_loaded = prompt_tokens(step), loaded_blocks(step)
+        if not (num_prompt or num_loaded):
             return
         end = torch.cuda.Event(enable_timing=True)
         end.record()
         total = sum(item.num_new_tokens for item in step.scheduled)
-        self._in_flight.append(((num_prompt, total, loaded_blocks(step)), start, end))
+        self._in_flight.append(((num_prompt, total, num_loaded), start, end))
 
     def take(self) -> list[StepCost]:
         """The timed steps that have finished since the last call, in the order they ran."""

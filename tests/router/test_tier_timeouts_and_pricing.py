@@ -222,6 +222,10 @@ def test_a_step_whose_loads_hid_under_its_compute_costs_them_their_copy_alone():
     assert live.loads.amount == pytest.approx(16_000 * keep + 2000)
     assert live.loads.seconds == pytest.approx(0.016 * keep + 0.002)
     assert live.current().host_copy_bytes_per_s == pytest.approx(1e6)
+    # a step that loaded a whole prompt but its last token: all its time is the loads'
+    live.observe_step_cost(StepCost(0, 1, 2, 0.5))
+    assert live.loads.amount == pytest.approx(
+        (16_000 * keep + 2000) * 0.5 ** (0.5 / HALF_LIFE_S) + 2000)
 
 
 def test_of_the_loads_priced_out_every_sixteenth_is_started_to_measure_them_again():

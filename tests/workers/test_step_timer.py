@@ -1,5 +1,6 @@
-"""workers/step_timer.py: what a step ran (prompt tokens, loaded blocks), and on a GPU its
-cost on the compute stream, reported once done and in the order the steps ran."""
+"""workers/step_timer.py: what a step ran (prompt tokens, loaded blocks), and on a GPU the
+cost of each step that computed prompt tokens or loaded blocks, on the compute stream,
+reported once done and in the order the steps ran."""
 
 import pytest
 import torch
@@ -32,7 +33,7 @@ def test_each_prefill_step_s_cost_is_reported_once_done_in_order():
     timer = StepTimer()
     x = torch.randn(2048, 2048, device="cuda")
     for step in (make_step((64, (), 0), loads=[[1, 2]]), make_step((1, (), 0)),
-                 make_step((32, (), 0), (1, (), 0))):
+                 make_step((1, (), 0), loads=[[3, 4, 5]]), make_step((32, (), 0), (1, (), 0))):
         timer.start()
         for _ in range(20):
             x = x @ x / 2048
@@ -40,6 +41,6 @@ def test_each_prefill_step_s_cost_is_reported_once_done_in_order():
     torch.cuda.synchronize()
     costs = timer.take()
     assert [(c.prompt_tokens, c.total_tokens, c.loaded_blocks) for c in costs] == [
-        (64, 64, 2), (32, 33, 0)]  # the decode step is not timed
+        (64, 64, 2), (0, 1, 3), (32, 33, 0)]  # the decode step alone is not timed
     assert all(isinstance(c, StepCost) and c.seconds > 0 for c in costs)
     assert timer.take() == []

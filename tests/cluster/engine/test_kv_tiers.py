@@ -311,7 +311,7 @@ class TimerStandIn:
         pass
 
     def stop(self, step) -> None:
-        if prompt_tokens(step):
+        if prompt_tokens(step) or loaded_blocks(step):
             self.costs.append(StepCost(prompt_tokens(step), prompt_tokens(step),
                                        loaded_blocks(step),
                                        1e-3 + self.seconds_a_block * loaded_blocks(step)))
