@@ -33,27 +33,33 @@ def loaded_blocks(step: StepInput) -> int:
 
 class StepTimer:
     def __init__(self) -> None:
-        self._start: torch.cuda.Event | None = None
-        # (prompt tokens, tokens, loaded blocks) of each timed step, and its two events
+        # what the step started last ran (prompt tokens, tokens, loaded blocks) and its first
+        # event; None: a step of decodes alone, not timed (no event on the decode path)
+        self._started: tuple[tuple[int, int, int], torch.cuda.Event] | None = None
+        # each timed step's counts and its two events, oldest first
         self._in_flight: deque[tuple[tuple[int, int, int], torch.cuda.Event,
                                      torch.cuda.Event]] = deque()
 
-    def start(self) -> None:
-        self._start = torch.cuda.Event(enable_timing=True)
-        self._start.record()
-
-    def stop(self, step: StepInput) -> None:
-        """The step started last ends here: timed if it computed prompt tokens or loaded
-        blocks (a prompt whose every full block loads runs its last token alone)."""
-        start, self._start = self._start, None
-        assert start is not None, "a step stopped that was not started"
+    def start(self, step: StepInput) -> None:
+        """Times ``step`` if it computes prompt tokens or loads blocks (a prompt whose every
+        full block loads runs its last token alone)."""
         num_prompt, num_loaded = prompt_tokens(step), loaded_blocks(step)
+        self._started = None
         if not (num_prompt or num_loaded):
+            return
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        total = sum(item.num_new_tokens for item in step.scheduled)
+        self._started = ((num_prompt, total, num_loaded), event)
+
+    def stop(self) -> None:
+        """The step started last ends here."""
+        started, self._started = self._started, None
+        if started is None:
             return
         end = torch.cuda.Event(enable_timing=True)
         end.record()
-        total = sum(item.num_new_tokens for item in step.scheduled)
-        self._in_flight.append(((num_prompt, total, num_loaded), start, end))
+        self._in_flight.append((*started, end))
 
     def take(self) -> list[StepCost]:
         """The timed steps that have finished since the last call, in the order they ran."""

@@ -328,7 +328,7 @@ class Worker:
             return self._execute(step)
         timer = self.step_timer
         if timer is not None:
-            timer.start()
+            timer.start(step)
         offloader.before_step(
             step.transfers, *blocks_in_use(step, self.config.block_size),
             busy=lambda: blocks_of_requests(
@@ -337,7 +337,7 @@ class Worker:
         offloader.after_step(step.transfers)
         report = offloader.report(idle=not step.scheduled)
         if timer is not None:
-            timer.stop(step)
+            timer.stop()
             report.steps = timer.take()
         if output is not None:
             output.transfers = report

@@ -34,10 +34,10 @@ def test_each_prefill_step_s_cost_is_reported_once_done_in_order():
     x = torch.randn(2048, 2048, device="cuda")
     for step in (make_step((64, (), 0), loads=[[1, 2]]), make_step((1, (), 0)),
                  make_step((1, (), 0), loads=[[3, 4, 5]]), make_step((32, (), 0), (1, (), 0))):
-        timer.start()
+        timer.start(step)
         for _ in range(20):
             x = x @ x / 2048
-        timer.stop(step)
+        timer.stop()
     torch.cuda.synchronize()
     costs = timer.take()
     assert [(c.prompt_tokens, c.total_tokens, c.loaded_blocks) for c in costs] == [

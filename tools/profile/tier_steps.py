@@ -31,6 +31,7 @@ from cluster.engine.step_builder import StepBuilder
 from kvstore.kv_cache_manager import KVCacheManager
 from router.scheduler import Scheduler
 from workers import kv_offload, worker
+from workers.step_timer import prompt_tokens
 
 # (class, method, the part it is counted in), in the order a step runs them
 PARTS: list[tuple[type, str, str]] = [
@@ -48,7 +49,7 @@ PARTS: list[tuple[type, str, str]] = [
 ]
 BUSY = "busy blocks"  # kv_offload.blocks_of_requests, as the worker calls it
 LOADED, STORED = "blocks loaded", "blocks stored"  # by the step's message, not seconds
-PROMPT = "prompt tokens"  # the step's prefill tokens (rows of more than one new token)
+PROMPT = "prompt tokens"  # the step's prefill tokens (workers/step_timer.prompt_tokens)
 DEVICE = "device"  # the compute stream's time from the worker's copies to its forward's end
 Step = collections.defaultdict[str, float]  # a missing part: 0.0
 COLUMNS = ["step", *[part for _, _, part in PARTS[:5]], BUSY,
@@ -102,20 +103,12 @@ class StepParts:
             return plan
         return counted
 
-    def _scheduled(self, schedule: Callable[..., Any]) -> Callable[..., Any]:
-        def counted(scheduler: Scheduler) -> Any:
-            output = schedule(scheduler)
-            if self.current is not None:
-                self.current[PROMPT] += sum(
-                    item.num_new_tokens for item in output.scheduled
-                    if item.num_new_tokens > 1 + item.num_drafts)
-            return output
-        return counted
-
     def _on_device(self, execute: Callable[..., Any]) -> Callable[..., Any]:
-        """The step's copies and forward timed on the compute stream by two CUDA events:
-        whether the device, not the host, is what a step waits for."""
+        """The step's prompt tokens, and its copies and forward timed on the compute stream by
+        two CUDA events: whether the device, not the host, is what a step waits for."""
         def timed(worker_: Any, step: Any) -> Any:
+            if self.current is not None:
+                self.current[PROMPT] += prompt_tokens(step)
             if self.current is None or worker_.device.type != "cuda":
                 return execute(worker_, step)
             start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
@@ -144,7 +137,6 @@ class StepParts:
                     self._step(llm_engine.LLMEngine.__dict__["_advance"]))
         self._patch(KVCacheManager, "take_transfers",
                     self._transfers(KVCacheManager.__dict__["take_transfers"]))
-        self._patch(Scheduler, "schedule", self._scheduled(Scheduler.__dict__["schedule"]))
         self._patch(worker.Worker, "_execute_with_copies",
                     self._on_device(worker.Worker.__dict__["_execute_with_copies"]))
         try:

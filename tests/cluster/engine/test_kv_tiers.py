@@ -307,14 +307,14 @@ class TimerStandIn:
         self.seconds_a_block = seconds_a_block
         self.costs: list[StepCost] = []
 
-    def start(self) -> None:
-        pass
-
-    def stop(self, step) -> None:
+    def start(self, step) -> None:
         if prompt_tokens(step) or loaded_blocks(step):
             self.costs.append(StepCost(prompt_tokens(step), prompt_tokens(step),
                                        loaded_blocks(step),
                                        1e-3 + self.seconds_a_block * loaded_blocks(step)))
+
+    def stop(self) -> None:
+        pass
 
     def take(self) -> list[StepCost]:
         costs, self.costs = self.costs, []
