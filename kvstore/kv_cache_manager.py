@@ -164,7 +164,7 @@ class KVCacheManager:
                 tokens = token_ids[start : start + self.block_size]
                 self.pool.cache(block, hashes[index], parent, tokens)
                 if self.tiers is not None and block.block_hash == hashes[index]:
-                    self.tiers.on_cached(block)  # write-through
+                    self.tiers.on_cached(block, request_id)  # write-through
         self.req_num_cached[request_id] = num_full
 
     def uncached_hashes(self, request_id: str) -> list[BlockHash]:

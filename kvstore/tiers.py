@@ -6,7 +6,10 @@ same block under the same chained hash. This manager decides the copies; the wor
 
     write-through   a block entering the device prefix cache is copied to the host tier,
                     after the next step's forward (before it, if the pool hands its block out
-                    again in that step)
+                    again in that step); while ``write_through`` is off (the engine turns it
+                    off where loading a block back would cost more than recomputing it), only
+                    the blocks of one request in ``WRITE_PROBE_EVERY`` (by its id), so that
+                    loads are still measured
     demotion        a block evicted from the host tier is written to disk, if it is not there
     disk eviction   a block evicted from disk whose file this process wrote is deleted by
                     the workers, after that write (``DiskTier.take_deletes``)
@@ -28,6 +31,7 @@ the tokens it held are recomputed.
 """
 
 import time
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -46,6 +50,13 @@ from kvstore.transfers import (
 )
 
 DISK = "disk"  # HOST comes from events.py: the host tier's blocks are KV events too
+WRITE_PROBE_EVERY = 16  # with the write-through off, a request in so many is written anyway
+
+
+def writes_anyway(request_id: str) -> bool:
+    """Whether a request's blocks are written through while the write-through is off: a
+    stable choice (a checksum of its id), the same for every block of it."""
+    return zlib.crc32(request_id.encode()) % WRITE_PROBE_EVERY == 0
 
 
 @dataclass(frozen=True)
@@ -93,6 +104,7 @@ class TierCounters:
     """Blocks moved since start-up, by direction (the engine turns them into bytes)."""
 
     stored_to_host: int = 0
+    not_written: int = 0  # blocks cached while the write-through was off
     written_to_disk: int = 0
     loaded_from_host: int = 0
     read_from_disk: int = 0
@@ -121,24 +133,36 @@ class TierManager:
         self._planned_disk: list[BlockHash] = []  # disk entries pinned until the plan is sent
         self._planned_host: list[BlockHash] = []  # imported host entries, likewise
         self.exports: dict[str, list[BlockHash]] = {}  # export id -> the blocks it pins
+        self.write_through = True  # the scheduler's price (router/kv_pricing.py store_pays)
 
     # -- write-through and swap-out -------------------------------------------------------
 
-    def on_cached(self, block: KVBlock) -> None:
-        """A block just entered the device prefix cache: write it through (once per hash)."""
+    def on_cached(self, block: KVBlock, request_id: str) -> None:
+        """A block ``request_id`` computed just entered the device prefix cache: write it
+        through (once per hash), unless the write-through is off for this request."""
+        assert block.block_hash is not None
+        if self.write_through or writes_anyway(request_id) or block.block_hash in self.host:
+            self._write(block)
+        else:
+            self.counters.not_written += 1
+
+    def swap_out(self, blocks: Sequence[KVBlock]) -> None:
+        """A preempted sequence's cached blocks: those the host tier lost are copied there
+        again, the others become its most recently used, so the sequence resumes from them
+        (the swap is priced on its own: router/kv_pricing.py swap_pays)."""
+        for block in blocks:
+            if block.block_hash is not None:
+                self._write(block)
+
+    def _write(self, block: KVBlock) -> None:
+        """The block to the host tier once (the next step's message copies it), or, where it
+        is there already, made its most recently used."""
         block_hash = block.block_hash
         assert block_hash is not None
         if block_hash in self.host:
             self.host.touch(block_hash)
         elif block_hash not in self.pending:
             self.pending[block_hash] = _Pending(block.block_id, block.token_ids)
-
-    def swap_out(self, blocks: Sequence[KVBlock]) -> None:
-        """A preempted sequence's cached blocks: those the host tier lost are copied there
-        again, the others become its most recently used, so the sequence resumes from them."""
-        for block in blocks:
-            if block.block_hash is not None:
-                self.on_cached(block)
 
     # -- lookup and load ------------------------------------------------------------------
 

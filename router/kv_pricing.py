@@ -4,12 +4,13 @@ Every choice is priced in seconds, then in prompt tokens (seconds × the prefill
 placement costs are in (placement.py)::
 
     recompute   n tokens                    n / prefill_tokens_per_s
-    load        b blocks host -> device     b × block_bytes / host_copy_bytes_per_s
+    load        b blocks host -> device     b × block_bytes / the slower of host_copy_bytes_per_s
+                                            and load_bytes_per_s
                 (a replica's own host tier:
                 blocks its device cache lost)
     pull        b blocks from a peer's      b × block_bytes / pull_bytes_per_s, then a load
                 host tier, then a load
-    swap        a preempted sequence's      (c + b) × block_bytes / host_copy_bytes_per_s:
+    swap        a preempted sequence's      (c + b) blocks' load:
                 c missing blocks copied     c blocks copied out, b loaded back
                 out, all b loaded back
 
@@ -27,22 +28,28 @@ class TransferRates:
     host_copy_bytes_per_s: float  # device <-> host tier, one replica
     block_bytes: int  # one KV block over every shard
     pull_bytes_per_s: float = 0.0  # replica -> replica through Ray's object store; 0: none
+    # a loading step's blocks over what the step cost beyond its prompt tokens (a start-up
+    # probe on a GPU, workers/worker.py); 0: not measured, a load costs its copy
+    load_bytes_per_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.prefill_tokens_per_s <= 0 or self.host_copy_bytes_per_s <= 0:
             raise ValueError(f"measured rates must be positive: {self}")
-        if self.block_bytes < 1 or self.pull_bytes_per_s < 0:
+        if self.block_bytes < 1 or self.pull_bytes_per_s < 0 or self.load_bytes_per_s < 0:
             raise ValueError(f"bad block size or pull rate: {self}")
 
     def recompute_seconds(self, num_tokens: int) -> float:
         return num_tokens / self.prefill_tokens_per_s
 
-    def copy_seconds(self, num_blocks: int) -> float:
-        return num_blocks * self.block_bytes / self.host_copy_bytes_per_s
+    def load_seconds(self, num_blocks: int) -> float:
+        """What loading ``num_blocks`` costs: their copy, or what a step's loads were measured
+        to add to it where that is more."""
+        rate = min(self.host_copy_bytes_per_s, self.load_bytes_per_s or self.host_copy_bytes_per_s)
+        return num_blocks * self.block_bytes / rate
 
     def pull_seconds(self, num_blocks: int) -> float:
         """From a peer's host tier into this replica's device cache."""
-        return num_blocks * self.block_bytes / self.pull_bytes_per_s + self.copy_seconds(
+        return num_blocks * self.block_bytes / self.pull_bytes_per_s + self.load_seconds(
             num_blocks)
 
     def in_tokens(self, seconds: float) -> float:
@@ -52,15 +59,16 @@ class TransferRates:
 def cluster_rates(measured: Sequence[TransferRates | None],
                   pull_bytes_per_s: Callable[[], float]) -> TransferRates | None:
     """The rates the router prices pulls with, over the replicas serving now: the slowest
-    one's prefill and host copies, and the object store's bandwidth (``pull_bytes_per_s``,
+    one's prefill, host copies and loads, and the object store's bandwidth (``pull_bytes_per_s``,
     asked only when there is something to price). None, so no pulls, below two replicas or
     when one has no host tier (nothing measured)."""
     if len(measured) < 2 or any(rates is None for rates in measured):
         return None
     known = [rates for rates in measured if rates is not None]
+    probed = [rates.load_bytes_per_s for rates in known if rates.load_bytes_per_s]
     return TransferRates(min(r.prefill_tokens_per_s for r in known),
                          min(r.host_copy_bytes_per_s for r in known), known[0].block_bytes,
-                         pull_bytes_per_s())
+                         pull_bytes_per_s(), min(probed, default=0.0))
 
 
 def swap_pays(rates: TransferRates | None, num_copy_blocks: int, num_load_blocks: int,
@@ -78,14 +86,22 @@ def load_pays(rates: TransferRates | None, num_load_blocks: int, num_recompute_t
     the load landing after the ``queued_blocks`` queued before it. Unmeasured rates: load."""
     if rates is None:
         return True
-    return rates.copy_seconds(queued_blocks + num_load_blocks) < rates.recompute_seconds(
+    return rates.load_seconds(queued_blocks + num_load_blocks) < rates.recompute_seconds(
         num_recompute_tokens)
+
+
+def store_pays(rates: TransferRates | None, block_size: int) -> bool:
+    """Whether writing blocks through to the host tier can pay: a block loaded back must beat
+    recomputing its ``block_size`` tokens. Where it cannot (a small model whose prefill is
+    cheaper than a loading step), the write-through would only cost the steps that carry it.
+    Unmeasured rates: write through."""
+    return load_pays(rates, 1, block_size)
 
 
 def load_tokens(rates: TransferRates | None, num_blocks: int) -> float:
     """What loading ``num_blocks`` from a replica's own host tier costs, in prompt tokens.
     Unmeasured rates: nothing (a load is assumed to beat recomputing, as ``swap_pays`` does)."""
-    return 0.0 if rates is None else rates.in_tokens(rates.copy_seconds(num_blocks))
+    return 0.0 if rates is None else rates.in_tokens(rates.load_seconds(num_blocks))
 
 
 @dataclass(frozen=True)

@@ -25,9 +25,9 @@ from router.kv_pricing import TransferRates
 
 HALF_LIFE_S = 1.0  # of measured copy (prefill, loading steps') time
 PRIOR_S = 0.05  # the start-up measurement's weight, in measured seconds
-# the loads' rate starts at the copy's, weighing as this many blocks' copy: a step that loads
-# a prefix outweighs it at once (a prior of PRIOR_S at the copy's rate, gigabytes, would take
-# a second of slow loads to move)
+# the loads' rate starts at the start-up probe's (the copy's where none ran), weighing as this
+# many blocks' load: a step that loads a prefix outweighs it at once (a prior of PRIOR_S at the
+# copy's rate, gigabytes, would take a second of slow loads to move)
 PRIOR_LOAD_BLOCKS = 16
 MIN_PREFILL_TOKENS = 64  # a step with fewer prompt tokens says little of the prefill rate
 MIN_PREFILL_SHARE = 0.5  # nor does one that is mostly decodes
@@ -62,7 +62,8 @@ class LiveRates:
         self.copies = RunningRate.prior(measured.host_copy_bytes_per_s)
         self.prefill = RunningRate.prior(measured.prefill_tokens_per_s)
         prior_bytes = PRIOR_LOAD_BLOCKS * measured.block_bytes
-        self.loads = RunningRate(prior_bytes, prior_bytes / measured.host_copy_bytes_per_s)
+        load_rate = measured.load_bytes_per_s or measured.host_copy_bytes_per_s
+        self.loads = RunningRate(prior_bytes, prior_bytes / load_rate)
         self.queued: dict[str, int] = {}  # blocks of each load started and not landed
 
     def observe_copies(self, num_bytes: int, seconds: float) -> None:
@@ -85,7 +86,7 @@ class LiveRates:
 
     def current(self) -> TransferRates:
         return replace(self.measured, prefill_tokens_per_s=self.prefill.rate,
-                       host_copy_bytes_per_s=min(self.copies.rate, self.loads.rate))
+                       host_copy_bytes_per_s=self.copies.rate, load_bytes_per_s=self.loads.rate)
 
     @property
     def queued_blocks(self) -> int:

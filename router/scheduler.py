@@ -146,6 +146,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         if self.loading:
             self.waiting.extendleft(reversed(self.loads.expired()))
+        self.loads.price_write_through()
         output = SchedulerOutput()
         output.num_steps, output.lookahead = self._num_decode_steps()
         budget = self._schedule_running(output, self.token_budget.budget(len(self.running)))

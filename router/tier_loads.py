@@ -11,6 +11,11 @@ same tokens (kv_pricing.py), at the rates the engine measures as it runs, behind
 queued before it (live_rates.py). Those rates are measured on the loads themselves, so of the
 loads priced out, every ``PROBE_EVERY``-th is started anyway: where loads got cheaper again
 (the steps lighter, the bus free), the price follows.
+
+The same price decides the write-through (``price_write_through``): blocks entering the device
+cache are copied to the host tier only while loading one back beats recomputing its tokens.
+Where it does not (a small model whose loading steps cost more than its prefill), writing them
+through would only slow the steps that carry the copies.
 """
 
 from collections.abc import Callable
@@ -19,7 +24,7 @@ from kvstore.block_pool import KVBlock
 from kvstore.kv_cache_manager import KVCacheManager
 from kvstore.tiers import LoadResult, OffloadHits
 from kvstore.transfers import TransferReport
-from router.kv_pricing import load_pays
+from router.kv_pricing import load_pays, store_pays
 from router.live_rates import LiveRates
 from router.sequence import Sequence
 
@@ -43,6 +48,13 @@ class TierLoads:
         # the workers report the load (``start_in_step``)
         self.in_step: set[str] = set()
         self.num_priced_out = 0  # loads the price turned down, since start-up
+
+    def price_write_through(self) -> None:
+        """Turns the write-through on or off by the current rates (kvstore/tiers.py)."""
+        tiers = self.kv.tiers
+        if tiers is not None:
+            rates = self.rates.current() if self.rates is not None else None
+            tiers.write_through = store_pays(rates, self.kv.block_size)
 
     def find(self, seq: Sequence, num_hits: int) -> OffloadHits | None:
         """The blocks to load from below the pool, after ``num_hits`` device hits: none where

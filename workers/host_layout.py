@@ -59,3 +59,4 @@ class OffloadInfo:
     # measured at start-up: what pricing copies against recomputes needs (router/kv_pricing.py)
     copy_bytes_per_s: float = 0.0  # device -> host, one staging batch
     prefill_tokens_per_s: float = 0.0
+    load_bytes_per_s: float = 0.0  # what loading adds to a step (a GPU probe); 0: not measured

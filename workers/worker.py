@@ -4,7 +4,6 @@ The same class runs in the engine's process (one device) and inside a Ray actor 
 (tensor parallel); only the ``TensorParallelGroup`` it is given differs.
 """
 
-import time
 from collections.abc import Set as AbstractSet
 from dataclasses import replace
 from typing import TYPE_CHECKING
@@ -49,6 +48,7 @@ from workers.pending import (
     copied_event,
     to_host,
 )
+from workers.rate_probes import ProbeShape, RateProbes
 from workers.request_state import RequestState, TokenHistory
 from workers.sampler import Sampler, SamplerOutput, SamplingSpec
 from workers.speculative.device_drafts import DeviceDrafts
@@ -236,9 +236,7 @@ class Worker:
         freeze_start_up_objects()
         if self.offloader is None:
             return None
-        return replace(self.offloader.info,
-                       copy_bytes_per_s=self.offloader.measure_copy_bandwidth(),
-                       prefill_tokens_per_s=self._measure_prefill_rate(num_blocks))
+        return self._measure_rates(num_blocks, max_model_len)
 
     def _draft_block_tensors(self) -> list[torch.Tensor]:
         """What a draft keeps by block that only the target's forward makes: an EAGLE head's
@@ -250,25 +248,23 @@ class Worker:
             return []
         return [self.eagle.block_features()]
 
-    def _measure_prefill_rate(self, num_blocks: int) -> float:
-        """Prompt tokens a second of one probe prefill (the second of two: the first warms
-        up), at start-up, into blocks no request holds yet; every rank runs it."""
-        block_size = self.config.block_size
-        limit = 2048 if self.device.type == "cuda" else 256
-        num_tokens = max(1, min(self.config.max_num_batched_tokens, limit,
-                                num_blocks * block_size))
-        blocks = list(range(-(-num_tokens // block_size)))
-        seconds = float("inf")
-        for _ in range(2):
-            probe = NewRequest("probe", [0] * num_tokens, num_tokens, blocks,
-                               SamplingSpec(temperature=0.0))
-            started = time.perf_counter()
-            self.execute(StepInput([probe], [ScheduledRequest("probe", 0, num_tokens)], []))
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            seconds = time.perf_counter() - started
-            self.states.clear()
-        return num_tokens / max(seconds, 1e-9)
+    def _measure_rates(self, num_blocks: int, max_model_len: int) -> OffloadInfo:
+        """The host buffer's shape with the rates copies are priced by: its copy bandwidth,
+        the prefill rate and, on a GPU, a loading step's (workers/rate_probes.py). The probes'
+        copies and timed steps are dropped after: the engine's rates start from these."""
+        assert self.offloader is not None
+        info = self.offloader.info
+        probes = RateProbes(self.execute, self.states.clear, ProbeShape(
+            self.config.block_size, num_blocks, self.config.max_num_batched_tokens,
+            max_model_len, self.device))
+        copy_rate = self.offloader.measure_copy_bandwidth()
+        prefill_rate = probes.prefill_rate()
+        load_rate = probes.load_rate(prefill_rate, copy_rate, info.num_slots, info.block_bytes)
+        self.offloader.report(idle=False)
+        if self.step_timer is not None:
+            self.step_timer.take()
+        return replace(info, copy_bytes_per_s=copy_rate, prefill_tokens_per_s=prefill_rate,
+                       load_bytes_per_s=load_rate)
 
     def key_centers_digest(self) -> str | None:
         """The digest of every rank's key centers (the same on each), for the blocks' hash

@@ -43,10 +43,13 @@ def tier_figures(llm) -> dict:
     return {
         "host_copy_gb_per_s_measured": rates.host_copy_bytes_per_s / GB if rates else None,
         "prefill_tokens_per_s_measured": rates.prefill_tokens_per_s if rates else None,
+        # what loading adds to a step, the start-up probe's (a GPU's; 0: not measured)
+        "load_gb_per_s_measured": rates.load_bytes_per_s / GB if rates else None,
         "transfer_gb_per_s": (counters.copied_bytes / counters.copy_seconds / GB
                               if counters.copy_seconds else None),
         "copied_gb": counters.copied_bytes / GB,
         "stored_to_host_gb": counters.stored_to_host * block / GB,
+        "not_written_gb": counters.not_written * block / GB,  # priced out of the write-through
         "loaded_from_host_gb": counters.loaded_from_host * block / GB,
         "written_to_disk_gb": counters.written_to_disk * block / GB,
         "read_from_disk_gb": counters.read_from_disk * block / GB,

@@ -44,7 +44,8 @@ def make_rates(info: OffloadInfo | None, tp_size: int) -> TransferRates | None:
     if info is None or info.copy_bytes_per_s <= 0 or info.prefill_tokens_per_s <= 0:
         return None
     return TransferRates(info.prefill_tokens_per_s, info.copy_bytes_per_s * tp_size,
-                         info.block_bytes * tp_size)
+                         info.block_bytes * tp_size,
+                         load_bytes_per_s=info.load_bytes_per_s * tp_size)
 
 
 @dataclass(frozen=True)

@@ -2,6 +2,8 @@
 busy replica: route there, pull its blocks to another, or recompute; exact decisions, with the
 holder's blocks in its device cache, its host tier, or both."""
 
+from dataclasses import replace
+
 import pytest
 
 from kvstore.block_hash import hash_full_blocks
@@ -25,8 +27,13 @@ RATES = TransferRates(prefill_tokens_per_s=1000.0, host_copy_bytes_per_s=1e6,
 
 def test_seconds_of_each_way_follow_the_measured_rates():
     assert RATES.recompute_seconds(500) == 0.5
-    assert RATES.copy_seconds(3) == pytest.approx(0.003)
+    assert RATES.load_seconds(3) == pytest.approx(0.003)
     assert RATES.pull_seconds(3) == pytest.approx(0.009)  # 6 ms through the store, 3 to load
+    # loads measured slower than their copy (a start-up probe, the live rates): priced so
+    dear = replace(RATES, load_bytes_per_s=2.5e5)
+    assert dear.load_seconds(3) == pytest.approx(0.012)
+    assert dear.pull_seconds(3) == pytest.approx(0.018)
+    assert replace(RATES, load_bytes_per_s=1e9).load_seconds(3) == pytest.approx(0.003)
     assert RATES.in_tokens(0.009) == pytest.approx(9.0)
 
 
@@ -56,11 +63,13 @@ def test_the_cluster_prices_pulls_with_its_slowest_serving_replica():
     fast = TransferRates(2000.0, 1e6, 1000)
     slow_copy = TransferRates(3000.0, 2e5, 1000)
     assert cluster_rates([fast, slow_copy], store_rate) == TransferRates(2000.0, 2e5, 1000, 5e5)
+    probed = replace(fast, load_bytes_per_s=1e5)  # its start-up probe's loads
+    assert cluster_rates([probed, slow_copy], store_rate).load_bytes_per_s == 1e5
     # one replica, or one without a host tier: nothing to pull, the store not even measured
     assert cluster_rates([fast], store_rate) is None
     assert cluster_rates([fast, None], store_rate) is None
     assert cluster_rates([], store_rate) is None
-    assert len(asked) == 1
+    assert len(asked) == 2
 
 
 def test_the_cheapest_pull_goes_to_the_replica_that_saves_most():

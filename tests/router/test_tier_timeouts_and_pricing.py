@@ -207,7 +207,7 @@ def test_a_step_that_loads_is_priced_by_its_cost_beyond_its_prompt_tokens():
     keep = 0.5 ** (load_seconds / HALF_LIFE_S)  # the prior: 16 blocks' copy, 16 us
     assert loads.amount == pytest.approx(16_000 * keep + 3000)
     assert loads.seconds == pytest.approx(16e-6 * keep + load_seconds)
-    assert sched.rates.current().host_copy_bytes_per_s == pytest.approx(loads.rate)
+    assert sched.rates.current().load_bytes_per_s == pytest.approx(loads.rate)
     assert sched.rates.current().prefill_tokens_per_s == pytest.approx(prefill)  # unmoved
     # so a 3-block load (~0.27 s at that rate) now costs more than its 12 tokens (~55 ms)
     sched.add(Sequence("b", PROMPT + [5, 6], SamplingParams(max_tokens=1)))
@@ -221,7 +221,7 @@ def test_a_step_whose_loads_hid_under_its_compute_costs_them_their_copy_alone():
     keep = 0.5 ** (0.002 / HALF_LIFE_S)  # the prior: 16 blocks' copy, 16 ms
     assert live.loads.amount == pytest.approx(16_000 * keep + 2000)
     assert live.loads.seconds == pytest.approx(0.016 * keep + 0.002)
-    assert live.current().host_copy_bytes_per_s == pytest.approx(1e6)
+    assert live.current().load_bytes_per_s == pytest.approx(1e6)
     # a step that loaded a whole prompt but its last token: all its time is the loads'
     live.observe_step_cost(StepCost(0, 1, 2, 0.5))
     assert live.loads.amount == pytest.approx(
@@ -229,8 +229,9 @@ def test_a_step_whose_loads_hid_under_its_compute_costs_them_their_copy_alone():
 
 
 def test_of_the_loads_priced_out_every_sixteenth_is_started_to_measure_them_again():
-    sched = make(num_blocks=40, rates=SLOW)
+    sched = make(num_blocks=40, rates=FAST)
     cached_then_evicted(sched)
+    sched.rates = sched.loads.rates = LiveRates(SLOW)  # loads (and writes) priced out now
     for index in range(PROBE_EVERY):
         request_id = f"b{index}"
         sched.add(Sequence(request_id, PROMPT + [5, 6], SamplingParams(max_tokens=1)))

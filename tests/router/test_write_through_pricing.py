@@ -1,0 +1,77 @@
+"""The write-through priced like the loads (router/tier_loads.py, kvstore/tiers.py): blocks go
+to the host tier only while loading one back beats recomputing it, but for one request in
+``WRITE_PROBE_EVERY`` (so that loads are still measured) and a preempted sequence's swap (priced
+on its own). The start-up probe's loads' rate is where the loads' price starts."""
+
+import pytest
+
+from kvstore.block_hash import hash_full_blocks
+from kvstore.host_tier import HostTier
+from kvstore.kv_cache_manager import KVCacheManager
+from kvstore.tiers import TierManager, writes_anyway
+from kvstore.transfers import KVTransfers, StepCost
+from router.kv_pricing import TransferRates, store_pays
+from router.live_rates import HALF_LIFE_S, PRIOR_LOAD_BLOCKS, LiveRates
+from router.sampling_params import SamplingParams
+from router.sequence import Sequence
+from tests.router.test_tier_timeouts_and_pricing import BS, PROMPT, SLOW, make, step
+
+RATES = TransferRates(1000.0, 1e6, 1000)  # a block copies in 1 ms, its 4 tokens take 4 ms
+
+
+def test_a_block_is_written_only_where_its_load_would_beat_its_recompute():
+    assert store_pays(None, BS) and store_pays(RATES, BS)
+    assert not store_pays(SLOW, BS)  # a block copies in 1 s, its tokens compute in 4 us
+    assert not store_pays(TransferRates(1000.0, 1e6, 1000, load_bytes_per_s=2e5), BS)  # 5 ms
+
+
+def test_with_the_write_through_off_only_one_request_in_sixteen_is_written():
+    sched = make(rates=SLOW)
+    assert not writes_anyway("a") and writes_anyway("f")
+    sched.add(Sequence("a", PROMPT, SamplingParams(max_tokens=1)))
+    step(sched)
+    ran, transfers = step(sched)  # where the write-through would be
+    assert sched.kv.tiers.write_through is False
+    assert transfers is None and sched.kv.tiers.counters.not_written == 3
+    assert len(sched.kv.tiers.host) == 0
+    other = [t + 1000 for t in PROMPT]
+    sched.add(Sequence("f", other, SamplingParams(max_tokens=1)))
+    step(sched)
+    ran, transfers = step(sched)
+    assert transfers == KVTransfers(stores=[(4, 0), (5, 1), (6, 2)])  # a kept 0-3
+    assert [sched.kv.tiers.host.lookup(h, other[i * BS:(i + 1) * BS]).slot
+            for i, h in enumerate(hash_full_blocks(other, BS))] == [0, 1, 2]
+
+
+def test_a_swap_out_is_written_with_the_write_through_off():
+    tiers = TierManager(HostTier(4), None, BS)
+    kv = KVCacheManager(8, BS, tiers=tiers)
+    tiers.write_through = False
+    kv.allocate_slots("a", 0, 8)
+    kv.cache_blocks("a", PROMPT, 8)
+    assert tiers.pending == {} and tiers.counters.not_written == 2
+    tiers.swap_out(kv.req_blocks["a"])
+    assert tiers.take(kv.pool) == KVTransfers(stores=[(0, 0), (1, 1)])
+
+
+def test_the_write_through_follows_the_live_rates():
+    sched = make(rates=RATES)
+    sched.schedule()
+    assert sched.kv.tiers.write_through is True
+    # a step that loaded a block and computed nothing took 1 s: a load now costs ~0.8 s
+    sched.rates.observe_step_cost(StepCost(0, 1, 1, 1.0))
+    sched.schedule()
+    assert sched.kv.tiers.write_through is False
+    # prefill steps slow down to 0.064 tokens/s: 4 tokens cost 62 s, the load pays again
+    sched.rates.observe_step_cost(StepCost(64, 64, 0, 1000 * HALF_LIFE_S))
+    sched.schedule()
+    assert sched.kv.tiers.write_through is True
+
+
+def test_the_loads_price_starts_at_the_start_up_probe_s():
+    live = LiveRates(TransferRates(1000.0, 1e9, 1000, load_bytes_per_s=2e6))
+    assert live.loads.amount == PRIOR_LOAD_BLOCKS * 1000
+    assert live.loads.seconds == pytest.approx(PRIOR_LOAD_BLOCKS * 1000 / 2e6)
+    assert live.current().load_bytes_per_s == pytest.approx(2e6)
+    assert live.current().load_seconds(1) == pytest.approx(1000 / 2e6)
+    assert LiveRates(RATES).current().load_seconds(1) == pytest.approx(1e-3)  # no probe

@@ -1,0 +1,74 @@
+"""workers/rate_probes.py: the start-up probes that price KV copies against recomputes. The load
+probe's steps (its prefix written to host slots, then loaded back in the step that runs it
+beside a prefill) on the CPU, the rates a worker reports, and on a GPU a measured loads' rate."""
+
+import pytest
+import torch
+
+from workers.rate_probes import ProbeShape, RateProbes
+from workers.worker import Worker
+from workers.worker_config import WorkerConfig
+
+BLOCK = 16
+
+
+def test_the_load_probe_loads_its_stored_prefix_beside_a_prefill_and_leaves_nothing(
+        tiny_models):
+    worker = Worker(WorkerConfig(str(tiny_models["llama"]), max_num_batched_tokens=256,
+                                 host_kv_cache_bytes=1 << 20))
+    info = worker.init_kv_cache(64)
+    assert info.load_bytes_per_s == 0.0  # the CPU's steps are not timed: no load probe
+    assert info.prefill_tokens_per_s > 0 and info.copy_bytes_per_s > 0
+    num_slots = 20
+    calls = []
+
+    def execute(step):
+        calls.append(step)
+        if step.transfers is not None and step.transfers.loads:  # only the load brings them
+            for tensor in worker.offloader.tensors:
+                tensor[list(range(8, 28))] = 0
+        return worker.execute(step)
+
+    probes = RateProbes(execute, worker.states.clear,
+                        ProbeShape(BLOCK, 64, 256, 512, torch.device("cpu")))
+    num_loaded, question, alone, with_load = probes.time_load(num_slots)
+    # 128 tokens beside a prefill of 128 (8 blocks) and 8 question blocks: 48 blocks left
+    # of 64, 24 in the model's 512 positions, of which the 20 slots take all
+    assert (num_loaded, question) == (20, 128) and alone > 0 and with_load > 0
+    loaded = list(range(8, 28))
+    # the prefix filled in chunks of the token budget, then written to slots 0..19
+    assert [[(s.request_id, s.num_computed_tokens, s.num_new_tokens) for s in c.scheduled]
+            for c in calls[:3]] == [[], [("probe", 0, 256)], [("probe", 256, 64)]]
+    assert calls[1].new_requests == [] and calls[0].new_requests[0].block_ids == loaded
+    assert calls[3].transfers.stores == [(block, slot) for slot, block in enumerate(loaded)]
+    # each probe step twice: the prefill alone, then beside the sequence that loads
+    step = calls[-1]
+    assert [(s.request_id, s.num_computed_tokens, s.num_new_tokens) for s in step.scheduled] == [
+        ("probe", 0, 128), ("probe-load", 320, 128)]
+    assert step.new_requests[1].block_ids == list(range(8, 36))
+    (load,) = step.transfers.loads
+    assert (load.host_slots, load.block_ids, load.in_step) == (list(range(20)), loaded, True)
+    assert len(calls) == 8 and calls[4].transfers is None
+    # the loaded blocks hold what the slots do, and no request is left behind
+    for tensor, host in zip(worker.offloader.tensors, worker.offloader.host_views, strict=True):
+        assert torch.equal(tensor[loaded], host[:20]) and host[:20].abs().sum() > 0
+    assert worker.states == {}
+
+
+def test_no_load_probe_where_the_pool_holds_none(tiny_models):
+    worker = Worker(WorkerConfig(str(tiny_models["llama"]), host_kv_cache_bytes=1 << 20))
+    worker.init_kv_cache(16)
+    probes = RateProbes(worker.execute, worker.states.clear,
+                        ProbeShape(BLOCK, 16, 2048, 512, torch.device("cpu")))
+    # a prefill of 256 tokens (16 blocks) and 8 question blocks leave no block to load into
+    assert probes.time_load(num_slots=40) is None
+
+
+@pytest.mark.gpu
+def test_a_gpu_worker_measures_what_loading_adds_to_a_step(tiny_models):
+    worker = Worker(WorkerConfig(str(tiny_models["llama"]), device="cuda",
+                                 host_kv_cache_bytes=1 << 24, enforce_eager=True))
+    info = worker.init_kv_cache(512)
+    assert 0 < info.load_bytes_per_s <= info.copy_bytes_per_s * 1.0001
+    assert worker.states == {} and worker.step_timer.take() == []
+    assert worker.offloader.report(idle=False).is_empty

@@ -1,0 +1,140 @@
+"""What a replica can do alone, measured at start-up for the prices of KV copies against
+recomputes (router/kv_pricing.py): its prefill rate and, on a GPU, what loading a prefix from the
+host tier adds to a step. Each probe is a few steps through the worker's own ``execute``, so
+every rank runs them together, into blocks and host slots no request holds yet; each step is
+timed the second time it runs (the first warms up).
+
+The load probe prices a load as the running engine does (router/live_rates.py): a step that
+prefills ``P`` tokens is timed alone and with one more sequence that loads ``L`` blocks of
+prefix and computes ``Q`` tokens after them; what the second costs beyond the first and its
+``Q`` tokens at the prefill rate is the load's. On a small model whose steps the host's launches
+bound, that is more than recomputing the prefix would take, and the engine then neither loads
+nor writes blocks through to the host tier.
+"""
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from kvstore.transfers import BlockLoad, KVTransfers
+from workers.sampler import SamplingSpec
+from workers.step_input import NewRequest, ScheduledRequest, StepInput
+
+PREFILL_TOKENS = {"cuda": 2048, "cpu": 256}  # a probe prefill's length, at most
+LOAD_PREFIX_TOKENS = 2048  # a loading probe's prefix (loaded), at most
+LOAD_QUESTION_TOKENS = 128  # and the tokens it computes after it (a repeat's new question)
+PREFILL_ID, LOAD_ID = "probe", "probe-load"
+
+
+@dataclass(frozen=True)
+class ProbeShape:
+    """What the probes may use: the worker's limits."""
+
+    block_size: int
+    num_blocks: int  # in the device pool
+    max_num_batched_tokens: int
+    max_model_len: int
+    device: torch.device
+
+
+class RateProbes:
+    def __init__(self, execute: Callable[[StepInput], object], clear: Callable[[], None],
+                 shape: ProbeShape) -> None:
+        """``execute``: one step, as the worker runs it; ``clear``: drops the requests' state."""
+        self.execute = execute
+        self.clear = clear
+        self.shape = shape
+
+    def prefill_rate(self) -> float:
+        """Prompt tokens a second of one probe prefill."""
+        shape = self.shape
+        num_tokens = max(1, min(shape.max_num_batched_tokens, PREFILL_TOKENS[shape.device.type],
+                                shape.num_blocks * shape.block_size, shape.max_model_len))
+        return num_tokens / self._timed(lambda: self._prefill_step(num_tokens, None))
+
+    def load_rate(self, prefill_tokens_per_s: float, copy_bytes_per_s: float, num_slots: int,
+                  block_bytes: int) -> float:
+        """Bytes a second that loading a prefix adds to a step (``block_bytes`` a block, this
+        shard's), never above the copy's rate; 0.0 where the pool, the host buffer or the
+        token budget holds no probe, and on the CPU (its steps are not timed either)."""
+        if self.shape.device.type != "cuda":
+            return 0.0
+        probe = self.time_load(num_slots)
+        if probe is None:
+            return 0.0
+        num_loaded, question, alone, with_load = probe
+        num_bytes = num_loaded * block_bytes
+        beyond = with_load - alone - question / prefill_tokens_per_s
+        return num_bytes / max(beyond, num_bytes / copy_bytes_per_s)
+
+    def time_load(self, num_slots: int) -> tuple[int, int, float, float] | None:
+        """(blocks loaded, tokens after them, seconds of the step alone, with the load), or
+        None where the pool, the host buffer or the token budget holds no probe."""
+        shape = self.shape
+        size = shape.block_size
+        question = min(LOAD_QUESTION_TOKENS, shape.max_num_batched_tokens // 2)
+        background = min(shape.max_num_batched_tokens - question,
+                         PREFILL_TOKENS[shape.device.type])
+        background_blocks = -(-background // size)
+        num_loaded = min(LOAD_PREFIX_TOKENS // size, num_slots,
+                         (shape.max_model_len - question) // size,
+                         shape.num_blocks - background_blocks - -(-question // size))
+        if num_loaded < 1 or question < 1:
+            return None
+        # the prefix's KV: a prefill into the blocks the load reads back, written to slots
+        first = background_blocks
+        loaded = list(range(first, first + num_loaded))
+        self._run(lambda: self._fill(loaded, num_loaded * size))
+        self._run(lambda: self.execute(StepInput([], [], [], transfers=KVTransfers(
+            stores=[(block, slot) for slot, block in enumerate(loaded)]))))
+        alone = self._timed(lambda: self._prefill_step(background, None))
+        with_load = self._timed(lambda: self._prefill_step(
+            background, (num_loaded, question, list(range(num_loaded)), first)))
+        return num_loaded, question, alone, with_load
+
+    def _fill(self, blocks: list[int], num_tokens: int) -> None:
+        """A prefill of ``num_tokens`` into ``blocks``, in chunks the token budget holds."""
+        chunk = self.shape.max_num_batched_tokens
+        self.execute(StepInput([NewRequest(PREFILL_ID, [0] * num_tokens, num_tokens, blocks,
+                                           SamplingSpec(temperature=0.0))], [], []))
+        for start in range(0, num_tokens, chunk):
+            self.execute(StepInput([], [ScheduledRequest(
+                PREFILL_ID, start, min(chunk, num_tokens - start))], []))
+
+    def _prefill_step(self, num_tokens: int,
+                      load: tuple[int, int, list[int], int] | None) -> None:
+        """A prefill of ``num_tokens`` from block 0 on; with ``load`` (blocks, new
+        tokens, host slots, first block), beside it a sequence whose prefix of that many
+        blocks is loaded from those slots in this step, computing its new tokens after it."""
+        size = self.shape.block_size
+        spec = SamplingSpec(temperature=0.0)
+        blocks = list(range(-(-num_tokens // size)))
+        new = [NewRequest(PREFILL_ID, [0] * num_tokens, num_tokens, blocks, spec)]
+        scheduled = [ScheduledRequest(PREFILL_ID, 0, num_tokens)]
+        transfers = None
+        if load is not None:
+            num_loaded, question, slots, first = load
+            cached = num_loaded * size
+            load_blocks = list(range(first, first + num_loaded + -(-question // size)))
+            new.append(NewRequest(LOAD_ID, [0] * (cached + question), cached + question,
+                                  load_blocks, spec))
+            scheduled.append(ScheduledRequest(LOAD_ID, cached, question))
+            transfers = KVTransfers(loads=[BlockLoad(LOAD_ID, slots, load_blocks[:num_loaded],
+                                                     in_step=True)])
+        self.execute(StepInput(new, scheduled, [], transfers=transfers))
+
+    def _run(self, step: Callable[[], None]) -> float:
+        started = time.perf_counter()
+        step()
+        if self.shape.device.type == "cuda":
+            torch.cuda.synchronize(self.shape.device)
+        seconds = time.perf_counter() - started
+        self.clear()
+        return seconds
+
+    def _timed(self, step: Callable[[], None]) -> float:
+        """The second of two runs of ``step``, in seconds."""
+        self._run(step)
+        return max(self._run(step), 1e-9)
