@@ -12,8 +12,8 @@ from cluster.engine.config import EngineConfig
 from kvstore.block_file import file_bytes
 from kvstore.disk_tier import DiskTier
 from kvstore.host_tier import HostTier
-from kvstore.tiers import TierCounters, TierManager
-from router.kv_pricing import TransferRates
+from kvstore.tiers import WRITE_PROBE_EVERY, TierCounters, TierManager
+from router.kv_pricing import TransferRates, store_pays
 from workers.host_layout import OffloadInfo
 
 GIB = 1 << 30
@@ -46,6 +46,22 @@ def make_rates(info: OffloadInfo | None, tp_size: int) -> TransferRates | None:
     return TransferRates(info.prefill_tokens_per_s, info.copy_bytes_per_s * tp_size,
                          info.block_bytes * tp_size,
                          load_bytes_per_s=info.load_bytes_per_s * tp_size)
+
+
+def describe_rates(rates: TransferRates, block_size: int) -> str:
+    """The start-up prices of the host tier, for the engine's log: whether its blocks are
+    written through, and why."""
+    load_us, recompute_us = rates.load_seconds(1) * 1e6, rates.recompute_seconds(block_size) * 1e6
+    measured = (f", a step's loads {rates.load_bytes_per_s / 1e9:.1f} GB/s"
+                if rates.load_bytes_per_s else "")
+    figures = (f"a block loads in {load_us:.0f} us (copies {rates.host_copy_bytes_per_s / 1e9:.1f}"
+               f" GB/s{measured}) and recomputes in {recompute_us:.0f} us "
+               f"({rates.prefill_tokens_per_s:,.0f} prompt tokens/s)")
+    if store_pays(rates, block_size):
+        return f"host KV tier: {figures}: blocks are written through"
+    return (f"host KV tier: {figures}: recomputing is cheaper, so blocks are not written "
+            f"through (but for one request in {WRITE_PROBE_EVERY}, to measure loads again) "
+            f"while the rates stay so")
 
 
 @dataclass(frozen=True)

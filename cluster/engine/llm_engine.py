@@ -24,6 +24,7 @@ from cluster.engine.grammars import GrammarCompiles, GrammarViolation
 from cluster.engine.kv_events import KVEventPublisher
 from cluster.engine.kv_tiers import (
     TierTraffic,
+    describe_rates,
     make_rates,
     make_tiers,
 )
@@ -107,6 +108,8 @@ class LLMEngine:
         self.offload_layout = offload.layout_tag if offload else None  # what peers must match
         # measured at start-up (with a host tier): they price copies against recomputes
         self.transfer_rates = make_rates(offload, config.tensor_parallel_size)
+        if self.transfer_rates is not None:
+            log.info(describe_rates(self.transfer_rates, config.block_size))
         self.kv_capacity = num_blocks * config.block_size
         self.model_len = config.max_model_len or hf_config.max_position_embeddings
         # a sequence must fit the cache alone, or preempting everyone else would not save it;

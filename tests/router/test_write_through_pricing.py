@@ -5,6 +5,7 @@ on its own). The start-up probe's loads' rate is where the loads' price starts."
 
 import pytest
 
+from cluster.engine.kv_tiers import describe_rates
 from kvstore.block_hash import hash_full_blocks
 from kvstore.host_tier import HostTier
 from kvstore.kv_cache_manager import KVCacheManager
@@ -75,3 +76,15 @@ def test_the_loads_price_starts_at_the_start_up_probe_s():
     assert live.current().load_bytes_per_s == pytest.approx(2e6)
     assert live.current().load_seconds(1) == pytest.approx(1000 / 2e6)
     assert LiveRates(RATES).current().load_seconds(1) == pytest.approx(1e-3)  # no probe
+
+
+def test_the_engine_logs_the_start_up_prices_and_what_they_decide():
+    small = TransferRates(300_000.0, 5.4e10, 196_608, load_bytes_per_s=2e9)
+    assert describe_rates(small, 16) == (
+        "host KV tier: a block loads in 98 us (copies 54.0 GB/s, a step's loads 2.0 GB/s) and "
+        "recomputes in 53 us (300,000 prompt tokens/s): recomputing is cheaper, so blocks are "
+        "not written through (but for one request in 16, to measure loads again) while the "
+        "rates stay so")
+    assert describe_rates(TransferRates(1000.0, 1e6, 1000), 4) == (
+        "host KV tier: a block loads in 1000 us (copies 0.0 GB/s) and recomputes in 4000 us "
+        "(1,000 prompt tokens/s): blocks are written through")
