@@ -7,9 +7,9 @@ same block under the same chained hash. This manager decides the copies; the wor
     write-through   a block entering the device prefix cache is copied to the host tier,
                     after the next step's forward (before it, if the pool hands its block out
                     again in that step); while ``write_through`` is off (the engine turns it
-                    off where loading a block back would cost more than recomputing it), only
-                    the blocks of one request in ``WRITE_PROBE_EVERY`` (by its id), so that
-                    loads are still measured
+                    off where loading a block back saves too little against recomputing it),
+                    only the blocks of one request in ``WRITE_PROBE_EVERY`` (by its id), so
+                    that loads are still measured
     demotion        a block evicted from the host tier is written to disk, if it is not there
     disk eviction   a block evicted from disk whose file this process wrote is deleted by
                     the workers, after that write (``DiskTier.take_deletes``)

@@ -90,12 +90,20 @@ def load_pays(rates: TransferRates | None, num_load_blocks: int, num_recompute_t
         num_recompute_tokens)
 
 
+# a block is written through only where loading it back costs at most this share of its
+# recompute: it is stored once for every time it may be loaded (perhaps never), and its store
+# costs host work and copy-engine time that no price here sees
+WRITE_THROUGH_SHARE = 0.5
+
+
 def store_pays(rates: TransferRates | None, block_size: int) -> bool:
-    """Whether writing blocks through to the host tier can pay: a block loaded back must beat
-    recomputing its ``block_size`` tokens. Where it cannot (a small model whose prefill is
-    cheaper than a loading step), the write-through would only cost the steps that carry it.
-    Unmeasured rates: write through."""
-    return load_pays(rates, 1, block_size)
+    """Whether writing blocks through to the host tier can pay: a block loaded back must cost
+    at most ``WRITE_THROUGH_SHARE`` of recomputing its ``block_size`` tokens. Where it does not
+    (a small model whose prefill is about as cheap as a loading step), the write-through would
+    mostly cost the steps that carry it. Unmeasured rates: write through."""
+    if rates is None:
+        return True
+    return rates.load_seconds(1) <= WRITE_THROUGH_SHARE * rates.recompute_seconds(block_size)
 
 
 def load_tokens(rates: TransferRates | None, num_blocks: int) -> float:

@@ -12,10 +12,10 @@ queued before it (live_rates.py). Those rates are measured on the loads themselv
 loads priced out, every ``PROBE_EVERY``-th is started anyway: where loads got cheaper again
 (the steps lighter, the bus free), the price follows.
 
-The same price decides the write-through (``price_write_through``): blocks entering the device
-cache are copied to the host tier only while loading one back beats recomputing its tokens.
-Where it does not (a small model whose loading steps cost more than its prefill), writing them
-through would only slow the steps that carry the copies.
+The same rates decide the write-through (``price_write_through``): blocks entering the device
+cache are copied to the host tier only while loading one back costs at most half of recomputing
+its tokens (kv_pricing.store_pays). Where it costs more (a small model whose loading steps cost
+about what its prefill does), writing them through would mostly slow the steps that carry it.
 """
 
 from collections.abc import Callable

@@ -7,9 +7,10 @@ timed the second time it runs (the first warms up).
 The load probe prices a load as the running engine does (router/live_rates.py): a step that
 prefills ``P`` tokens is timed alone and with one more sequence that loads ``L`` blocks of
 prefix and computes ``Q`` tokens after them; what the second costs beyond the first and its
-``Q`` tokens at the prefill rate is the load's. On a small model whose steps the host's launches
-bound, that is more than recomputing the prefix would take, and the engine then neither loads
-nor writes blocks through to the host tier.
+``Q`` tokens at the prefill rate is the load's: its copies, and the attention over the long
+loaded context that a prefill of the same tokens would do with more programs. On a small model
+that is about what recomputing the prefix takes, and the engine then writes no blocks through
+to the host tier (router/kv_pricing.py store_pays).
 """
 
 import time

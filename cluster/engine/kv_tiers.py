@@ -59,7 +59,7 @@ def describe_rates(rates: TransferRates, block_size: int) -> str:
                f"({rates.prefill_tokens_per_s:,.0f} prompt tokens/s)")
     if store_pays(rates, block_size):
         return f"host KV tier: {figures}: blocks are written through"
-    return (f"host KV tier: {figures}: recomputing is cheaper, so blocks are not written "
+    return (f"host KV tier: {figures}: a load saves too little, so blocks are not written "
             f"through (but for one request in {WRITE_PROBE_EVERY}, to measure loads again) "
             f"while the rates stay so")
 

@@ -1,7 +1,7 @@
 """The write-through priced like the loads (router/tier_loads.py, kvstore/tiers.py): blocks go
-to the host tier only while loading one back beats recomputing it, but for one request in
-``WRITE_PROBE_EVERY`` (so that loads are still measured) and a preempted sequence's swap (priced
-on its own). The start-up probe's loads' rate is where the loads' price starts."""
+to the host tier only while loading one back costs at most half its recompute, but for one
+request in ``WRITE_PROBE_EVERY`` (so that loads are still measured) and a preempted sequence's
+swap (priced on its own). The start-up probe's loads' rate is where the loads' price starts."""
 
 import pytest
 
@@ -11,7 +11,7 @@ from kvstore.host_tier import HostTier
 from kvstore.kv_cache_manager import KVCacheManager
 from kvstore.tiers import TierManager, writes_anyway
 from kvstore.transfers import KVTransfers, StepCost
-from router.kv_pricing import TransferRates, store_pays
+from router.kv_pricing import TransferRates, load_pays, store_pays
 from router.live_rates import HALF_LIFE_S, PRIOR_LOAD_BLOCKS, LiveRates
 from router.sampling_params import SamplingParams
 from router.sequence import Sequence
@@ -24,6 +24,10 @@ def test_a_block_is_written_only_where_its_load_would_beat_its_recompute():
     assert store_pays(None, BS) and store_pays(RATES, BS)
     assert not store_pays(SLOW, BS)  # a block copies in 1 s, its tokens compute in 4 us
     assert not store_pays(TransferRates(1000.0, 1e6, 1000, load_bytes_per_s=2e5), BS)  # 5 ms
+    # a load must cost at most half the recompute: 2 ms of 4 is written, 2.5 ms is not
+    assert store_pays(TransferRates(1000.0, 1e6, 1000, load_bytes_per_s=5e5), BS)
+    assert not store_pays(TransferRates(1000.0, 1e6, 1000, load_bytes_per_s=4e5), BS)
+    assert load_pays(TransferRates(1000.0, 1e6, 1000, load_bytes_per_s=4e5), 1, BS)
 
 
 def test_with_the_write_through_off_only_one_request_in_sixteen_is_written():
@@ -82,7 +86,7 @@ def test_the_engine_logs_the_start_up_prices_and_what_they_decide():
     small = TransferRates(300_000.0, 5.4e10, 196_608, load_bytes_per_s=2e9)
     assert describe_rates(small, 16) == (
         "host KV tier: a block loads in 98 us (copies 54.0 GB/s, a step's loads 2.0 GB/s) and "
-        "recomputes in 53 us (300,000 prompt tokens/s): recomputing is cheaper, so blocks are "
+        "recomputes in 53 us (300,000 prompt tokens/s): a load saves too little, so blocks are "
         "not written through (but for one request in 16, to measure loads again) while the "
         "rates stay so")
     assert describe_rates(TransferRates(1000.0, 1e6, 1000), 4) == (
