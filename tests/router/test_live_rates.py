@@ -57,8 +57,10 @@ def test_slow_copies_measured_while_serving_turn_loads_into_recomputes():
 def test_a_load_is_priced_behind_the_loads_queued_before_it():
     # a block copies in 1 ms; 12 tokens recompute in 5 ms: one 3-block load pays (3 ms), a
     # second behind it does not (6 ms)
-    sched = make(rates=TransferRates(12 / 0.005, 1e6, 1000))
+    sched = make(rates=FAST)
     evicted(sched, [PROMPT, OTHER])
+    # (at these rates a load saves too little to write blocks through: they were written first)
+    sched.rates = sched.loads.rates = LiveRates(TransferRates(12 / 0.005, 1e6, 1000))
     sched.add(Sequence("b", PROMPT + [5, 6], SamplingParams(max_tokens=1)))
     sched.add(Sequence("c", OTHER + [5, 6], SamplingParams(max_tokens=1)))
     ran, transfers = step(sched)
