@@ -76,13 +76,15 @@ class RateProbes:
         shape = self.shape
         size = shape.block_size
         question = min(LOAD_QUESTION_TOKENS, shape.max_num_batched_tokens // 2)
+        question_blocks = -(-question // size)
         background = min(shape.max_num_batched_tokens - question,
-                         PREFILL_TOKENS[shape.device.type])
+                         PREFILL_TOKENS[shape.device.type], shape.max_model_len,
+                         (shape.num_blocks - question_blocks - 1) * size)
         background_blocks = -(-background // size)
         num_loaded = min(LOAD_PREFIX_TOKENS // size, num_slots,
                          (shape.max_model_len - question) // size,
-                         shape.num_blocks - background_blocks - -(-question // size))
-        if num_loaded < 1 or question < 1:
+                         shape.num_blocks - background_blocks - question_blocks)
+        if num_loaded < 1 or question < 1 or background < 1:
             return None
         # the prefix's KV: a prefill into the blocks the load reads back, written to slots
         first = background_blocks

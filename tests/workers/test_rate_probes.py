@@ -55,13 +55,36 @@ def test_the_load_probe_loads_its_stored_prefix_beside_a_prefill_and_leaves_noth
     assert worker.states == {}
 
 
+def test_the_load_probe_keeps_to_the_model_s_length_and_the_pool(tiny_models):
+    worker = Worker(WorkerConfig(str(tiny_models["llama"]), host_kv_cache_bytes=1 << 20,
+                                 max_model_len=160))
+    worker.init_kv_cache(32)
+    calls = []
+
+    def execute(step):
+        calls.append(step)
+        return worker.execute(step)
+
+    probes = RateProbes(execute, worker.states.clear,
+                        ProbeShape(BLOCK, 32, 2048, 160, torch.device("cpu")))
+    # a question of 128 tokens (8 blocks) beside a prefill of the model's 160 (10 blocks),
+    # a prefix of 2 blocks before the question: 160 positions
+    assert probes.time_load(num_slots=40)[:2] == (2, 128)
+    assert [(s.request_id, s.num_computed_tokens, s.num_new_tokens)
+            for s in calls[-1].scheduled] == [("probe", 0, 160), ("probe-load", 32, 128)]
+    assert worker.states == {}
+
+
 def test_no_load_probe_where_the_pool_holds_none(tiny_models):
     worker = Worker(WorkerConfig(str(tiny_models["llama"]), host_kv_cache_bytes=1 << 20))
     worker.init_kv_cache(16)
-    probes = RateProbes(worker.execute, worker.states.clear,
-                        ProbeShape(BLOCK, 16, 2048, 512, torch.device("cpu")))
-    # a prefill of 256 tokens (16 blocks) and 8 question blocks leave no block to load into
-    assert probes.time_load(num_slots=40) is None
+    for num_blocks, num_loaded in ((16, 1), (9, None)):
+        probes = RateProbes(worker.execute, worker.states.clear,
+                            ProbeShape(BLOCK, num_blocks, 2048, 512, torch.device("cpu")))
+        probe = probes.time_load(num_slots=40)
+        # 8 question blocks, the prefill beside them in all but one block of the rest (7 of 16:
+        # one block to load into; none of 9)
+        assert (probe[0] if probe else None) == num_loaded
 
 
 @pytest.mark.gpu
