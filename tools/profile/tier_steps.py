@@ -11,10 +11,14 @@ with its steps, the blocks a step moved, its prompt tokens and the mean millisec
 part, so that what a step with copies costs beyond one without them is read off by part. On a
 GPU the parts are host time (launches, Python, and any wait the host makes); ``device`` is the
 compute stream's time from the worker's copies to the step's end (two CUDA events), which
-equals the host's parts where the device waits for the host's launches.
+equals the host's parts where the device waits for the host's launches, split by two more
+events into the compute stream's waits for the step's copies (``device: copies``: in-step loads,
+blocks still being stored), its forward and sampling (``device: forward``), and what follows
+(``device: stores``: the write-through's launches).
 """
 
 import collections
+import itertools
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -51,9 +55,11 @@ BUSY = "busy blocks"  # kv_offload.blocks_of_requests, as the worker calls it
 LOADED, STORED = "blocks loaded", "blocks stored"  # by the step's message, not seconds
 PROMPT = "prompt tokens"  # the step's prefill tokens (workers/step_timer.prompt_tokens)
 DEVICE = "device"  # the compute stream's time from the worker's copies to its forward's end
+# DEVICE in three: up to the end of the copies before the forward, the forward, the rest
+DEVICE_PARTS = ("device: copies", "device: forward", "device: stores")
 Step = collections.defaultdict[str, float]  # a missing part: 0.0
 COLUMNS = ["step", *[part for _, _, part in PARTS[:5]], BUSY,
-           *[part for _, _, part in PARTS[5:]], DEVICE]
+           *[part for _, _, part in PARTS[5:]], DEVICE, *DEVICE_PARTS]
 
 
 class StepParts:
@@ -64,8 +70,10 @@ class StepParts:
         self.steps: list[Step] = []
         self.current: Step | None = None
         self._undo: list[Callable[[], None]] = []
-        # (step, start, end) CUDA events, read into the step's DEVICE once the run is over
-        self._device_spans: list[tuple[Step, Any, Any]] = []
+        # (step, events) CUDA events (start, copies done, forward done, end), read into the
+        # step's DEVICE and DEVICE_PARTS once the run is over
+        self._device_spans: list[tuple[Step, list[Any]]] = []
+        self._marks: list[Any] | None = None  # the step's events so far, while it runs
 
     def _count(self, part: str, function: Callable[..., Any]) -> Callable[..., Any]:
         def timed(*args: Any, **kwargs: Any) -> Any:
@@ -111,20 +119,42 @@ class StepParts:
                 self.current[PROMPT] += prompt_tokens(step)
             if self.current is None or worker_.device.type != "cuda":
                 return execute(worker_, step)
-            start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
-            start.record()
+            self._marks = []
+            self._mark()
             try:
                 return execute(worker_, step)
             finally:
-                end.record()
-                self._device_spans.append((self.current, start, end))
+                self._mark()
+                if len(self._marks) == 4:  # a step with copies: both offloader calls marked
+                    self._device_spans.append((self.current, self._marks))
+                self._marks = None
         return timed
 
+    def _mark(self) -> None:
+        if self._marks is not None:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self._marks.append(event)
+
+    def _marked(self, function: Callable[..., Any], after: bool) -> Callable[..., Any]:
+        """``function`` with an event on the compute stream after it (else before it)."""
+        def marked(*args: Any, **kwargs: Any) -> Any:
+            if not after:
+                self._mark()
+            result = function(*args, **kwargs)
+            if after:
+                self._mark()
+            return result
+        return marked
+
     def read_device_times(self) -> None:
-        """Each timed step's device milliseconds, once its events are done."""
-        for step, start, end in self._device_spans:
-            end.synchronize()
-            step[DEVICE] = start.elapsed_time(end) / 1e3  # seconds, as the other parts
+        """Each timed step's device milliseconds, whole and by part, once its events are
+        done (seconds, as the other parts)."""
+        for step, events in self._device_spans:
+            events[-1].synchronize()
+            step[DEVICE] = events[0].elapsed_time(events[-1]) / 1e3
+            for part, (start, end) in zip(DEVICE_PARTS, itertools.pairwise(events), strict=True):
+                step[part] = start.elapsed_time(end) / 1e3
         self._device_spans.clear()
 
     @contextmanager
@@ -139,6 +169,11 @@ class StepParts:
                     self._transfers(KVCacheManager.__dict__["take_transfers"]))
         self._patch(worker.Worker, "_execute_with_copies",
                     self._on_device(worker.Worker.__dict__["_execute_with_copies"]))
+        offloader = kv_offload.KVOffloader
+        self._patch(offloader, "before_step",
+                    self._marked(offloader.__dict__["before_step"], after=True))
+        self._patch(offloader, "after_step",
+                    self._marked(offloader.__dict__["after_step"], after=False))
         try:
             yield self
         finally:
