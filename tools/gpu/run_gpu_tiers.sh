@@ -2,7 +2,8 @@
 # The one-GPU KV tier runs of docs/benchmarks.md (W4-large), in one go: the GPU tests of the
 # tiers' copies, the step timer and the start-up load probe; the Qwen2.5-0.5B pair (recompute
 # beside a host tier) at 60 and 120 req/s, pass by pass; the same shape at a 0% hit rate (the
-# write-through's cost to TPOT); the Llama-3.1-8B pair at 6 req/s with loads in place beside.
+# write-through's cost to TPOT); the Llama-3.1-8B pair at 6 req/s with loads in place beside;
+# the 0.5B pair at 60 req/s again with each engine step timed by part (tools/profile/tier_steps).
 # Usage: OUT=<folder> bash tools/gpu/run_gpu_tiers.sh   (each stage has its own time limit)
 #   ONLY=<regex> runs only the stages whose names match (all of them take longer than one
 #   10-minute device call), e.g. ONLY='gpu tests|0.5B 60'.
@@ -25,3 +26,7 @@ stage "0.5B 0% hits" ${SMALL_TIME:-150} $SMALL --num-groups 512 --group-size 1 -
   --request-rate 60 --output "$OUT/w4-small-unique.json"
 stage "8B 6" ${BIG_TIME:-330} $BIG --num-groups 128 --group-size 2 --output-len 16 --pass-major \
   --request-rate 6 --host-loads-in-place --output "$OUT/w4-big-6.json"
+stage "0.5B 60 by step" ${SMALL_TIME:-150} python -m tools.profile.tier_steps --no-hf \
+  --prefix-len 2048 --question-len 128 --shape qwen2.5-coder-0.5b --num-kv-blocks 8192 \
+  --host-kv-cache-gb 8 --max-num-seqs 128 $PAIRS --request-rate 60 \
+  --output "$OUT/w4-small-60-steps.json"
