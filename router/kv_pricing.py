@@ -29,7 +29,7 @@ class TransferRates:
     block_bytes: int  # one KV block over every shard
     pull_bytes_per_s: float = 0.0  # replica -> replica through Ray's object store; 0: none
     # a loading step's blocks over what the step cost beyond its prompt tokens (a start-up
-    # probe on a GPU, workers/worker.py); 0: not measured, a load costs its copy
+    # probe on a GPU, workers/rate_probes.py); 0: not measured, a load costs its copy
     load_bytes_per_s: float = 0.0
 
     def __post_init__(self) -> None:
