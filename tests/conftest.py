@@ -1,12 +1,23 @@
+# One torch (OpenMP) thread in this process and every process it starts (Ray's, `tandem
+# serve`'s), read as torch loads, so set before anything imports it. Two threads on this
+# suite's 2-core machine made the small ops of the tests in this process 10 to 100 times
+# slower whenever a Ray or Serve process held the other core: each op waited at OpenMP's
+# barrier for a thread that could not run, and spun while it waited. CPU shards already run
+# one thread each (EngineConfig.cpu_threads).
+import os  # noqa: I001
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 # Before anything imports Triton: on a machine without CUDA this sets TRITON_INTERPRET=1, which
 # Triton reads once, when it and each kernel are defined (see tests/workers/triton_interpreter.py).
 # Here, at the root, so that no test module of any folder imports Triton before it is set.
-import tests.workers.triton_interpreter  # noqa: F401, I001
+import tests.workers.triton_interpreter  # noqa: E402, F401, I001
 
 import pytest
 
 from cluster import environment
 from cluster.ray.start import init_ray
+from tests import xdist_scheduling
 from tests.cluster.cli import served_process
 from tests.cluster.ray import nodes_background
 from tests.gpus import skip_without_gpus
@@ -20,6 +31,13 @@ environment.set_serve_throughput_optimized(None)
 environment.set_serve_quick_stop()
 
 
+def pytest_configure(config):
+    if config.pluginmanager.hasplugin("xdist"):  # its hook is unknown where xdist is not
+        from tests.xdist_scheduling import XdistScheduling
+
+        config.pluginmanager.register(XdistScheduling(), "tandem-xdist-scheduling")
+
+
 @pytest.hookimpl(trylast=True)  # after -m deselects: GPUs are counted for GPU tests that run
 def pytest_collection_modifyitems(items):
     skip_without_gpus(items)  # @pytest.mark.gpu(gpus=N) on fewer GPUs: skipped (tests/gpus.py)
@@ -27,12 +45,15 @@ def pytest_collection_modifyitems(items):
 
 def pytest_collection_finish(session):
     """What starts slowly and mostly waits (Ray nodes, a `tandem serve`) starts now and runs
-    beside the tests collected before the ones that need it: pytest keeps one core busy."""
+    beside the tests collected before the ones that need it, in the worker that runs those."""
     if session.config.option.collectonly:
         return
-    if any(item.nodeid.startswith(nodes_background.TEST_FILE) for item in session.items):
+    # under xdist every worker collects every test: the worker that runs them starts these
+    if (any(item.nodeid.startswith(nodes_background.TEST_FILE) for item in session.items)
+            and xdist_scheduling.runs_here(xdist_scheduling.NODES_SCOPE)):
         nodes_background.SCENARIO.start()
-    if any(served_process.FIXTURE in item.fixturenames for item in session.items):
+    if (any(served_process.FIXTURE in item.fixturenames for item in session.items)
+            and xdist_scheduling.runs_here(xdist_scheduling.SERVED_SCOPE)):
         served_process.EARLY.start()
 
 
