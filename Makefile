@@ -24,8 +24,10 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e '.[dev,triton]'
 	touch $@
 
+# two pytest-xdist workers, a test file each at a time (tests/xdist_scheduling.py); a plain
+# `pytest` runs in one process (the GPU machine has no xdist)
 test: install
-	$(PY) -m pytest -m "not gpu" -q
+	$(PY) -m pytest -m "not gpu" -q -n 2
 
 lint: install
 	$(VENV)/bin/ruff check cluster workers router kvstore tests tools

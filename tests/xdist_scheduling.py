@@ -1,4 +1,4 @@
-"""How the suite's tests are shared among pytest-xdist's workers (`-n 2` in pyproject.toml).
+"""How the suite's tests are shared among pytest-xdist's workers (`make test` runs `pytest -n 2`).
 
 A work unit is a test file, so that a module's fixtures (an ``LLM`` of the default model, a
 Serve app, a Ray cluster) are built once, by one worker. Two units are pinned to a worker:
