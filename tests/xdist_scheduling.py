@@ -14,22 +14,6 @@ import os
 SERVED_SCOPE = "tests/cluster/cli"  # the files that share the `tandem serve` process
 NODES_SCOPE = "tests/cluster/ray/test_nodes.py"
 PINS = {SERVED_SCOPE: 0, NODES_SCOPE: 1}  # unit -> index of the worker it runs on
-# handed out first, the longest first (seconds of a full run on the 2-core machine, 2026-12-07),
-# so that no long unit is left for the end while the other worker idles; the rest follow in
-# collection order
-LONGEST_FIRST = (
-    "tests/cluster/bench/test_prefix_bench.py",  # 63
-    "tests/cluster/ray/test_ray_cluster.py",  # 58
-    "tests/cluster/engine/test_quantized_kv_one_answer.py",  # 52
-    "tests/cluster/serve/test_serving.py",  # 51, and ~120 to start its Serve app
-    "tests/cluster/ray/test_failover.py",  # 39
-    "tests/cluster/ray/test_replica_start.py",  # 35
-    "tests/cluster/engine/test_structured_outputs.py",  # 35
-    "tests/cluster/bench/test_kv_accuracy_bench.py",  # 34
-    "tests/cluster/bench/test_capacity_bench.py",  # 32
-    "tests/cluster/ray/test_routing.py",  # 28
-    "tests/cluster/serve/test_routing_http.py",  # 26
-)
 
 
 def owner(scope: str, num_workers: int) -> str:
@@ -68,11 +52,10 @@ def pinned_file_scheduling(config, log):  # type: ignore[no-untyped-def]
             return ids[PINS[scope] % len(ids)] == node.gateway.id
 
         def _assign_work_unit(self, node) -> None:  # type: ignore[no-untyped-def]
-            """The first unit this node may take, the longest first, if any: every test of it.
+            """The first unit of the queue this node may take, if any: every test of it.
             Not by xdist's ``collection.index(nodeid)``, which sends only the first of
             several items of one id (schemathesis' cases, one a route, share theirs)."""
-            queue = [s for s in LONGEST_FIRST if s in self.workqueue] + list(self.workqueue)
-            scope = next((s for s in queue if self._takes(s, node)), None)
+            scope = next((s for s in self.workqueue if self._takes(s, node)), None)
             if scope is None:
                 return
             work_unit = self.workqueue.pop(scope)
