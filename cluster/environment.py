@@ -104,6 +104,13 @@ def set_serve_quick_stop() -> None:
     os.environ["RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"] = "0"
 
 
+def set_one_torch_thread() -> None:
+    """One OpenMP thread in this process and every process it starts, unless the caller set
+    a count (the test suite, before torch loads: on 2 cores shared with Ray's processes a
+    second thread made small ops wait at OpenMP's barrier for a core)."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
 def prepare_shard_process(on_gpu: bool, tensor_parallel: bool,
                           replica_gpus: list[str] | None) -> None:
     """What a shard's own process must set before CUDA, NCCL and symmetric memory start."""

@@ -1,17 +1,7 @@
-# One torch (OpenMP) thread in this process and every process it starts (Ray's, `tandem
-# serve`'s), read as torch loads, so set before anything imports it. Two threads on this
-# suite's 2-core machine made the small ops of the tests in this process 10 to 100 times
-# slower whenever a Ray or Serve process held the other core: each op waited at OpenMP's
-# barrier for a thread that could not run, and spun while it waited. CPU shards already run
-# one thread each (EngineConfig.cpu_threads).
-import os  # noqa: I001
-
-os.environ.setdefault("OMP_NUM_THREADS", "1")
-
 # Before anything imports Triton: on a machine without CUDA this sets TRITON_INTERPRET=1, which
 # Triton reads once, when it and each kernel are defined (see tests/workers/triton_interpreter.py).
 # Here, at the root, so that no test module of any folder imports Triton before it is set.
-import tests.workers.triton_interpreter  # noqa: E402, F401, I001
+import tests.workers.triton_interpreter  # noqa: F401, I001
 
 import pytest
 
