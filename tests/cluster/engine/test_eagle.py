@@ -90,10 +90,13 @@ def test_chunked_prefill_preemption_and_prefix_hits_keep_the_tokens(tiny_models,
                       speculative_config=eagle(heads["eagle3"], 3))
     assert tokens == expected
     assert llm.stats().num_preemptions > 0
-    # the same prompts again on the same engine: their prefixes are hits, whose features the
-    # head reads where the blocks are
+    # the same prompts again on the same engine, then the first alone twice (the second time
+    # its blocks, just computed, are cached whichever blocks the preemptions evicted): prefix
+    # hits, whose features the head reads where the blocks are
     again = [out.token_ids for out in llm.generate(PROMPTS, GREEDY)]
     assert again == expected
+    for _ in range(2):
+        assert llm.generate(PROMPTS[:1], GREEDY)[0].token_ids == expected[0]
     assert llm.stats().prefix_cache_hits > 0
 
 

@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM
 from cluster import LLM, EngineConfig, SamplingParams
 from cluster.bench.process_cpu import cpu_seconds
 from cluster.ray.replica import PARK_AFTER_S
+from cluster.ray.serving_policy import ServingPolicy
 from cluster.ray.tandem_cluster import TandemCluster
 from router.placement import Decision
 
@@ -215,8 +216,11 @@ def test_a_dead_replica_process_mid_stream_continues_after_its_restart(ray_sessi
     retries until Ray has restarted it, then continues exactly; the router forgets nothing and
     the counters of the dead process stay counted."""
     folder = tiny_models["llama"]
+    # the restart waited for as long as the test's own limit: on a busy 2-core machine Ray's
+    # restart of the process (torch and the model loaded again) has taken over the 30 s default
     cluster = TandemCluster(EngineConfig(model=str(folder), device="cpu", block_size=4,
-                                         num_kv_blocks=64), num_replicas=1)
+                                         num_kv_blocks=64), num_replicas=1,
+                            policy=ServingPolicy(failover_timeout_s=170.0))
     try:
         replica = cluster.replicas[0]
         pid = ray_session.get(replica.__ray_call__.remote(lambda self: os.getpid()))
