@@ -112,6 +112,11 @@ class TierCounters:
     imported: int = 0  # pulled from another replica into the host tier
     copied_bytes: int = 0  # device <-> host, as rank 0 measured them
     copy_seconds: float = 0.0
+    store_plan_seconds: float = 0.0  # the host's time planning the write-through (``take``)
+
+    def plan_seconds_per_block(self) -> float:
+        """The host's time to plan one block's store, on average since start-up."""
+        return self.store_plan_seconds / self.stored_to_host if self.stored_to_host else 0.0
 
 
 @dataclass
@@ -330,6 +335,7 @@ class TierManager:
         Blocks that find no slot (every one pinned by this step's own stores and loads: a
         host tier smaller than a step's write-through) wait for the next step while the
         device still holds them, so each passes through to the host tier and on to disk."""
+        started = time.perf_counter()
         allocated: list[BlockHash] = []
         waiting: dict[BlockHash, _Pending] = {}
         for block_hash, pending in self.pending.items():
@@ -354,6 +360,8 @@ class TierManager:
         # pinned while planning so that one step never evicts what it also writes
         for block_hash in allocated:
             self.host.unpin(block_hash)
+        if allocated:
+            self.counters.store_plan_seconds += time.perf_counter() - started
         for block_hash in self._planned_disk:
             if self.disk is not None and block_hash in self.disk:
                 self.disk.unpin(block_hash)

@@ -6,6 +6,8 @@ placement costs are in (placement.py)::
     recompute   n tokens                    n / prefill_tokens_per_s
     load        b blocks host -> device     b × block_bytes / the slower of host_copy_bytes_per_s
                                             and load_bytes_per_s
+    store       b blocks device -> host     b × store_seconds_per_block (the worker's copies out
+                (the write-through)         and the host's work to plan them, as measured)
                 (a replica's own host tier:
                 blocks its device cache lost)
     pull        b blocks from a peer's      b × block_bytes / pull_bytes_per_s, then a load
@@ -31,12 +33,16 @@ class TransferRates:
     # a loading step's blocks over what the step cost beyond its prompt tokens (a start-up
     # probe on a GPU, workers/rate_probes.py); 0: not measured, a load costs its copy
     load_bytes_per_s: float = 0.0
+    # what writing one block through to the host tier adds: a step's copies out (the start-up
+    # probe) and the engine's work to plan them (measured as it runs); 0: not measured
+    store_seconds_per_block: float = 0.0
 
     def __post_init__(self) -> None:
         if self.prefill_tokens_per_s <= 0 or self.host_copy_bytes_per_s <= 0:
             raise ValueError(f"measured rates must be positive: {self}")
-        if self.block_bytes < 1 or self.pull_bytes_per_s < 0 or self.load_bytes_per_s < 0:
-            raise ValueError(f"bad block size or pull rate: {self}")
+        if (self.block_bytes < 1 or self.pull_bytes_per_s < 0 or self.load_bytes_per_s < 0
+                or self.store_seconds_per_block < 0):
+            raise ValueError(f"bad block size, pull rate or store cost: {self}")
 
     def recompute_seconds(self, num_tokens: int) -> float:
         return num_tokens / self.prefill_tokens_per_s
@@ -46,6 +52,10 @@ class TransferRates:
         to add to it where that is more."""
         rate = min(self.host_copy_bytes_per_s, self.load_bytes_per_s or self.host_copy_bytes_per_s)
         return num_blocks * self.block_bytes / rate
+
+    def store_seconds(self, num_blocks: int) -> float:
+        """What writing ``num_blocks`` through to the host tier costs the steps."""
+        return num_blocks * self.store_seconds_per_block
 
     def pull_seconds(self, num_blocks: int) -> float:
         """From a peer's host tier into this replica's device cache."""
@@ -68,7 +78,8 @@ def cluster_rates(measured: Sequence[TransferRates | None],
     probed = [rates.load_bytes_per_s for rates in known if rates.load_bytes_per_s]
     return TransferRates(min(r.prefill_tokens_per_s for r in known),
                          min(r.host_copy_bytes_per_s for r in known), known[0].block_bytes,
-                         pull_bytes_per_s(), min(probed, default=0.0))
+                         pull_bytes_per_s(), min(probed, default=0.0),
+                         max(r.store_seconds_per_block for r in known))
 
 
 def swap_pays(rates: TransferRates | None, num_copy_blocks: int, num_load_blocks: int,
@@ -90,20 +101,21 @@ def load_pays(rates: TransferRates | None, num_load_blocks: int, num_recompute_t
         num_recompute_tokens)
 
 
-# a block is written through only where loading it back costs at most this share of its
-# recompute: it is stored once for every time it may be loaded (perhaps never), and its store
-# costs host work and copy-engine time that no price here sees
+# a block is written through only where storing it and loading it back once cost at most this
+# share of its recompute: it is stored once for every time it may be loaded, perhaps never
 WRITE_THROUGH_SHARE = 0.5
 
 
 def store_pays(rates: TransferRates | None, block_size: int) -> bool:
-    """Whether writing blocks through to the host tier can pay: a block loaded back must cost
-    at most ``WRITE_THROUGH_SHARE`` of recomputing its ``block_size`` tokens. Where it does not
-    (a small model whose prefill is about as cheap as a loading step), the write-through would
-    mostly cost the steps that carry it. Unmeasured rates: write through."""
+    """Whether writing blocks through to the host tier can pay: a block's store and one load
+    back must cost at most ``WRITE_THROUGH_SHARE`` of recomputing its ``block_size`` tokens.
+    Where they do not (a small model, whose prefill is about as cheap as the host's work per
+    block), the write-through would mostly cost the steps that carry it. Unmeasured rates:
+    write through."""
     if rates is None:
         return True
-    return rates.load_seconds(1) <= WRITE_THROUGH_SHARE * rates.recompute_seconds(block_size)
+    return (rates.store_seconds(1) + rates.load_seconds(1)
+            <= WRITE_THROUGH_SHARE * rates.recompute_seconds(block_size))
 
 
 def load_tokens(rates: TransferRates | None, num_blocks: int) -> float:

@@ -13,12 +13,14 @@ loads priced out, every ``PROBE_EVERY``-th is started anyway: where loads got ch
 (the steps lighter, the bus free), the price follows.
 
 The same rates decide the write-through (``price_write_through``): blocks entering the device
-cache are copied to the host tier only while loading one back costs at most half of recomputing
-its tokens (kv_pricing.store_pays). Where it costs more (a small model whose loading steps cost
-about what its prefill does), writing them through would mostly slow the steps that carry it.
+cache are copied to the host tier only while storing one and loading it back cost at most half
+of recomputing its tokens (kv_pricing.store_pays). Where they cost more (a small model, whose
+prefill is about as cheap as the host's and the copies' work per block), writing them through
+would mostly slow the steps that carry it.
 """
 
 from collections.abc import Callable
+from dataclasses import replace
 
 from kvstore.block_pool import KVBlock
 from kvstore.kv_cache_manager import KVCacheManager
@@ -50,11 +52,18 @@ class TierLoads:
         self.num_priced_out = 0  # loads the price turned down, since start-up
 
     def price_write_through(self) -> None:
-        """Turns the write-through on or off by the current rates (kvstore/tiers.py)."""
+        """Turns the write-through on or off by the current rates (kvstore/tiers.py), a
+        block's store costing the workers' copy out and the host's time to plan it."""
         tiers = self.kv.tiers
-        if tiers is not None:
-            rates = self.rates.current() if self.rates is not None else None
-            tiers.write_through = store_pays(rates, self.kv.block_size)
+        if tiers is None:
+            return
+        rates = self.rates.current() if self.rates is not None else None
+        if rates is not None and rates.store_seconds_per_block:
+            # (a store probed at start-up: on a GPU. On the CPU stores are not priced, so
+            # that the tests' write-through does not depend on the machine's speed)
+            rates = replace(rates, store_seconds_per_block=rates.store_seconds_per_block
+                            + tiers.counters.plan_seconds_per_block())
+        tiers.write_through = store_pays(rates, self.kv.block_size)
 
     def find(self, seq: Sequence, num_hits: int) -> OffloadHits | None:
         """The blocks to load from below the pool, after ``num_hits`` device hits: none where

@@ -60,3 +60,4 @@ class OffloadInfo:
     copy_bytes_per_s: float = 0.0  # device -> host, one staging batch
     prefill_tokens_per_s: float = 0.0
     load_bytes_per_s: float = 0.0  # what loading adds to a step (a GPU probe); 0: not measured
+    store_seconds_per_block: float = 0.0  # what a block's store adds to a step (likewise)

@@ -8,9 +8,12 @@ The load probe prices a load as the running engine does (router/live_rates.py): 
 prefills ``P`` tokens is timed alone and with one more sequence that loads ``L`` blocks of
 prefix and computes ``Q`` tokens after them; what the second costs beyond the first and its
 ``Q`` tokens at the prefill rate is the load's: its copies, and the attention over the long
-loaded context that a prefill of the same tokens would do with more programs. On a small model
-that is about what recomputing the prefix takes, and the engine then writes no blocks through
-to the host tier (router/kv_pricing.py store_pays).
+loaded context that a prefill of the same tokens would do with more programs.
+
+The store probe times a prefill alone and with its full blocks written to host slots after its
+forward, as the write-through writes them: what that adds, a block, is the store's cost. On a
+small model a block's store and load cost about what recomputing it does, and the engine then
+writes no blocks through to the host tier (router/kv_pricing.py store_pays).
 """
 
 import time
@@ -54,6 +57,34 @@ class RateProbes:
         num_tokens = max(1, min(shape.max_num_batched_tokens, PREFILL_TOKENS[shape.device.type],
                                 shape.num_blocks * shape.block_size, shape.max_model_len))
         return num_tokens / self._timed(lambda: self._prefill_step(num_tokens, None))
+
+    def store_seconds(self, num_slots: int) -> float:
+        """Seconds that writing one block through to the host tier adds to a step (its copy
+        out, the worker's work to issue it); 0.0 where no full block fits a probe, and on the
+        CPU (its steps are not timed either)."""
+        if self.shape.device.type != "cuda":
+            return 0.0
+        probe = self.time_store(num_slots)
+        if probe is None:
+            return 0.0
+        num_blocks, alone, stored = probe
+        return max(stored - alone, 0.0) / num_blocks
+
+    def time_store(self, num_slots: int) -> tuple[int, float, float] | None:
+        """(blocks stored, seconds of a prefill of them alone, with their stores), or None
+        where no full block fits the pool, the host buffer or a step."""
+        shape = self.shape
+        size = shape.block_size
+        num_blocks = min(shape.max_num_batched_tokens, PREFILL_TOKENS[shape.device.type],
+                         shape.max_model_len) // size
+        num_blocks = min(num_blocks, num_slots, shape.num_blocks)
+        if num_blocks < 1:
+            return None
+        num_tokens = num_blocks * size
+        stores = KVTransfers(stores=[(block, block) for block in range(num_blocks)])
+        alone = self._timed(lambda: self._prefill_step(num_tokens, None))
+        stored = self._timed(lambda: self._prefill_step(num_tokens, None, stores))
+        return num_blocks, alone, stored
 
     def load_rate(self, prefill_tokens_per_s: float, copy_bytes_per_s: float, num_slots: int,
                   block_bytes: int) -> float:
@@ -106,17 +137,18 @@ class RateProbes:
             self.execute(StepInput([], [ScheduledRequest(
                 PREFILL_ID, start, min(chunk, num_tokens - start))], []))
 
-    def _prefill_step(self, num_tokens: int,
-                      load: tuple[int, int, list[int], int] | None) -> None:
+    def _prefill_step(self, num_tokens: int, load: tuple[int, int, list[int], int] | None,
+                      stores: KVTransfers | None = None) -> None:
         """A prefill of ``num_tokens`` from block 0 on; with ``load`` (blocks, new
         tokens, host slots, first block), beside it a sequence whose prefix of that many
-        blocks is loaded from those slots in this step, computing its new tokens after it."""
+        blocks is loaded from those slots in this step, computing its new tokens after it;
+        with ``stores``, the step's copies out after its forward."""
         size = self.shape.block_size
         spec = SamplingSpec(temperature=0.0)
         blocks = list(range(-(-num_tokens // size)))
         new = [NewRequest(PREFILL_ID, [0] * num_tokens, num_tokens, blocks, spec)]
         scheduled = [ScheduledRequest(PREFILL_ID, 0, num_tokens)]
-        transfers = None
+        transfers = stores
         if load is not None:
             num_loaded, question, slots, first = load
             cached = num_loaded * size

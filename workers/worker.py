@@ -250,8 +250,9 @@ class Worker:
 
     def _measure_rates(self, num_blocks: int, max_model_len: int) -> OffloadInfo:
         """The host buffer's shape with the rates copies are priced by: its copy bandwidth,
-        the prefill rate and, on a GPU, a loading step's (workers/rate_probes.py). The probes'
-        copies and timed steps are dropped after: the engine's rates start from these."""
+        the prefill rate and, on a GPU, a block's store and a loading step's
+        (workers/rate_probes.py). The probes' copies and timed steps are dropped after: the
+        engine's rates start from these."""
         assert self.offloader is not None
         info = self.offloader.info
         probes = RateProbes(self.execute, self.states.clear, ProbeShape(
@@ -259,12 +260,13 @@ class Worker:
             max_model_len, self.device))
         copy_rate = self.offloader.measure_copy_bandwidth()
         prefill_rate = probes.prefill_rate()
+        store_seconds = probes.store_seconds(info.num_slots)
         load_rate = probes.load_rate(prefill_rate, copy_rate, info.num_slots, info.block_bytes)
         self.offloader.report(idle=False)
         if self.step_timer is not None:
             self.step_timer.take()
         return replace(info, copy_bytes_per_s=copy_rate, prefill_tokens_per_s=prefill_rate,
-                       load_bytes_per_s=load_rate)
+                       load_bytes_per_s=load_rate, store_seconds_per_block=store_seconds)
 
     def key_centers_digest(self) -> str | None:
         """The digest of every rank's key centers (the same on each), for the blocks' hash

@@ -36,6 +36,7 @@ def tier_figures(llm) -> dict:
     engine = llm.engine
     tiers = engine.scheduler.kv.tiers
     rates = engine.transfer_rates
+    live = engine.scheduler.rates
     if tiers is None:
         return {}
     counters = tiers.counters
@@ -45,6 +46,12 @@ def tier_figures(llm) -> dict:
         "prefill_tokens_per_s_measured": rates.prefill_tokens_per_s if rates else None,
         # what loading adds to a step, the start-up probe's (a GPU's; 0: not measured)
         "load_gb_per_s_measured": rates.load_bytes_per_s / GB if rates else None,
+        # the loads' rate the engine ended with (router/live_rates.py)
+        "load_gb_per_s_live": (live.current().load_bytes_per_s / GB if live else None),
+        # what a block's store costs: the start-up probe's copy out (a GPU's; 0: not measured)
+        # and the host's time planning it (kvstore/tiers.py take)
+        "store_us_per_block_measured": rates.store_seconds_per_block * 1e6 if rates else None,
+        "store_plan_us_per_block": counters.plan_seconds_per_block() * 1e6,
         "transfer_gb_per_s": (counters.copied_bytes / counters.copy_seconds / GB
                               if counters.copy_seconds else None),
         "copied_gb": counters.copied_bytes / GB,

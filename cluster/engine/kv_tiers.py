@@ -40,12 +40,14 @@ def make_tiers(config: EngineConfig, info: OffloadInfo | None) -> TierManager | 
 
 def make_rates(info: OffloadInfo | None, tp_size: int) -> TransferRates | None:
     """The rates the shards measured at start-up (rank 0's; each shard copies its share of a
-    block at once, so a whole block moves at one shard's rate times their number)."""
+    block at once, so a whole block moves at one shard's rate times their number, and stores
+    in one shard's time)."""
     if info is None or info.copy_bytes_per_s <= 0 or info.prefill_tokens_per_s <= 0:
         return None
     return TransferRates(info.prefill_tokens_per_s, info.copy_bytes_per_s * tp_size,
                          info.block_bytes * tp_size,
-                         load_bytes_per_s=info.load_bytes_per_s * tp_size)
+                         load_bytes_per_s=info.load_bytes_per_s * tp_size,
+                         store_seconds_per_block=info.store_seconds_per_block)
 
 
 def describe_rates(rates: TransferRates, block_size: int) -> str:
@@ -54,13 +56,15 @@ def describe_rates(rates: TransferRates, block_size: int) -> str:
     load_us, recompute_us = rates.load_seconds(1) * 1e6, rates.recompute_seconds(block_size) * 1e6
     measured = (f", a step's loads {rates.load_bytes_per_s / 1e9:.1f} GB/s"
                 if rates.load_bytes_per_s else "")
-    figures = (f"a block loads in {load_us:.0f} us (copies {rates.host_copy_bytes_per_s / 1e9:.1f}"
-               f" GB/s{measured}) and recomputes in {recompute_us:.0f} us "
-               f"({rates.prefill_tokens_per_s:,.0f} prompt tokens/s)")
+    store_us = rates.store_seconds(1) * 1e6
+    figures = (f"a block stores in {store_us:.0f} us, loads in {load_us:.0f} us (copies "
+               f"{rates.host_copy_bytes_per_s / 1e9:.1f} GB/s{measured}) and recomputes in "
+               f"{recompute_us:.0f} us ({rates.prefill_tokens_per_s:,.0f} prompt tokens/s)")
     if store_pays(rates, block_size):
         return f"host KV tier: {figures}: blocks are written through"
-    return (f"host KV tier: {figures}: a load saves too little, so blocks are not written "
-            f"through (but for one request in {WRITE_PROBE_EVERY}, to measure loads again) "
+    return (f"host KV tier: {figures}: a store and a load save too little, so blocks are not "
+            f"written through (but for one request in {WRITE_PROBE_EVERY}, to measure loads "
+            f"again) "
             f"while the rates stay so")
 
 

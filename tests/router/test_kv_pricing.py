@@ -49,7 +49,7 @@ def test_swap_only_when_copying_out_and_back_beats_recomputing():
 def test_bad_rates_are_refused():
     with pytest.raises(ValueError, match="measured rates must be positive"):
         TransferRates(0.0, 1e6, 1000)
-    with pytest.raises(ValueError, match="bad block size or pull rate"):
+    with pytest.raises(ValueError, match="bad block size, pull rate or store cost"):
         TransferRates(1000.0, 1e6, 1000, pull_bytes_per_s=-1.0)
 
 

@@ -1,5 +1,6 @@
 """The write-through priced like the loads (router/tier_loads.py, kvstore/tiers.py): blocks go
-to the host tier only while loading one back costs at most half its recompute, but for one
+to the host tier only while storing one and loading it back cost at most half its recompute
+(the store: the start-up probe's copy out and the host's time planning it), but for one
 request in ``WRITE_PROBE_EVERY`` (so that loads are still measured) and a preempted sequence's
 swap (priced on its own). The start-up probe's loads' rate is where the loads' price starts."""
 
@@ -28,6 +29,44 @@ def test_a_block_is_written_only_where_its_load_would_beat_its_recompute():
     assert store_pays(TransferRates(1000.0, 1e6, 1000, load_bytes_per_s=5e5), BS)
     assert not store_pays(TransferRates(1000.0, 1e6, 1000, load_bytes_per_s=4e5), BS)
     assert load_pays(TransferRates(1000.0, 1e6, 1000, load_bytes_per_s=4e5), 1, BS)
+
+
+def test_a_block_s_store_counts_with_its_load():
+    # a load of 1 ms and a store of 1 ms: 2 ms of the 4 ms recompute is written, 1.5 ms more
+    # is not; a store of 0 (the CPU: unprobed) prices the load alone
+    assert store_pays(TransferRates(1000.0, 1e6, 1000, store_seconds_per_block=1e-3), BS)
+    assert not store_pays(TransferRates(1000.0, 1e6, 1000, store_seconds_per_block=1.5e-3), BS)
+    assert TransferRates(1000.0, 1e6, 1000, store_seconds_per_block=2e-3).store_seconds(3) == (
+        pytest.approx(6e-3))
+    with pytest.raises(ValueError, match="store cost"):
+        TransferRates(1000.0, 1e6, 1000, store_seconds_per_block=-1.0)
+
+
+def test_the_host_s_planning_is_added_to_a_probed_store():
+    sched = make(rates=TransferRates(1000.0, 1e6, 1000, store_seconds_per_block=0.5e-3))
+    counters = sched.kv.tiers.counters
+    sched.schedule()
+    assert sched.kv.tiers.write_through is True  # 1 ms + 0.5 ms of 4 ms
+    # the host took 0.6 ms a block to plan its stores: 2.1 ms of 4 ms, no longer written
+    counters.stored_to_host, counters.store_plan_seconds = 10, 6e-3
+    assert counters.plan_seconds_per_block() == pytest.approx(0.6e-3)
+    sched.schedule()
+    assert sched.kv.tiers.write_through is False
+    # unprobed (the CPU's rates): the host's time is not priced, whatever it was
+    cpu = make(rates=RATES)
+    cpu.kv.tiers.counters.stored_to_host, cpu.kv.tiers.counters.store_plan_seconds = 1, 10.0
+    cpu.schedule()
+    assert cpu.kv.tiers.write_through is True
+
+
+def test_take_times_its_planning_of_stores_only():
+    tiers = TierManager(HostTier(4), None, BS)
+    kv = KVCacheManager(8, BS, tiers=tiers)
+    assert tiers.take(kv.pool) is None and tiers.counters.store_plan_seconds == 0.0
+    kv.allocate_slots("a", 0, 8)
+    kv.cache_blocks("a", PROMPT, 8)
+    assert tiers.take(kv.pool) == KVTransfers(stores=[(0, 0), (1, 1)])
+    assert tiers.counters.store_plan_seconds > 0.0 and tiers.counters.stored_to_host == 2
 
 
 def test_with_the_write_through_off_only_one_request_in_sixteen_is_written():
@@ -83,12 +122,16 @@ def test_the_loads_price_starts_at_the_start_up_probe_s():
 
 
 def test_the_engine_logs_the_start_up_prices_and_what_they_decide():
-    small = TransferRates(300_000.0, 5.4e10, 196_608, load_bytes_per_s=2e9)
+    small = TransferRates(300_000.0, 5.4e10, 196_608, store_seconds_per_block=25e-6)
     assert describe_rates(small, 16) == (
-        "host KV tier: a block loads in 98 us (copies 54.0 GB/s, a step's loads 2.0 GB/s) and "
-        "recomputes in 53 us (300,000 prompt tokens/s): a load saves too little, so blocks are "
-        "not written through (but for one request in 16, to measure loads again) while the "
-        "rates stay so")
+        "host KV tier: a block stores in 25 us, loads in 4 us (copies 54.0 GB/s) and "
+        "recomputes in 53 us (300,000 prompt tokens/s): a store and a load save too little, so "
+        "blocks are not written through (but for one request in 16, to measure loads again) "
+        "while the rates stay so")
+    dear_loads = TransferRates(300_000.0, 5.4e10, 196_608, load_bytes_per_s=2e9)
+    assert describe_rates(dear_loads, 16).startswith(
+        "host KV tier: a block stores in 0 us, loads in 98 us (copies 54.0 GB/s, a step's loads "
+        "2.0 GB/s) and recomputes in 53 us")
     assert describe_rates(TransferRates(1000.0, 1e6, 1000), 4) == (
-        "host KV tier: a block loads in 1000 us (copies 0.0 GB/s) and recomputes in 4000 us "
-        "(1,000 prompt tokens/s): blocks are written through")
+        "host KV tier: a block stores in 0 us, loads in 1000 us (copies 0.0 GB/s) and "
+        "recomputes in 4000 us (1,000 prompt tokens/s): blocks are written through")

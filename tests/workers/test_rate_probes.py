@@ -5,6 +5,7 @@ beside a prefill) on the CPU, the rates a worker reports, and on a GPU a measure
 import pytest
 import torch
 
+from kvstore.transfers import KVTransfers
 from workers.rate_probes import ProbeShape, RateProbes
 from workers.worker import Worker
 from workers.worker_config import WorkerConfig
@@ -87,11 +88,45 @@ def test_no_load_probe_where_the_pool_holds_none(tiny_models):
         assert (probe[0] if probe else None) == num_loaded
 
 
+def test_the_store_probe_times_a_prefill_alone_then_with_its_blocks_stored(tiny_models):
+    worker = Worker(WorkerConfig(str(tiny_models["llama"]), max_num_batched_tokens=200,
+                                 host_kv_cache_bytes=1 << 20))
+    info = worker.init_kv_cache(64)
+    assert info.store_seconds_per_block == 0.0  # the CPU's steps are not timed: no probe
+    calls = []
+
+    def execute(step):
+        calls.append(step)
+        return worker.execute(step)
+
+    probes = RateProbes(execute, worker.states.clear,
+                        ProbeShape(BLOCK, 64, 200, 512, torch.device("cpu")))
+    assert probes.store_seconds(num_slots=20) == 0.0 and calls == []
+    for tensor in worker.offloader.host_views:
+        tensor.zero_()
+    num_blocks, alone, stored = probes.time_store(num_slots=20)
+    # full blocks of the 200-token budget (12 of 16 tokens), all of which the slots hold
+    assert num_blocks == 12 and alone > 0 and stored > 0
+    assert [[(s.request_id, s.num_computed_tokens, s.num_new_tokens) for s in c.scheduled]
+            for c in calls] == [[("probe", 0, 192)]] * 4
+    assert [c.transfers for c in calls[:2]] == [None, None]
+    assert calls[3].transfers == KVTransfers(stores=[(block, block) for block in range(12)])
+    for tensor, host in zip(worker.offloader.tensors, worker.offloader.host_views, strict=True):
+        assert torch.equal(tensor[:12], host[:12]) and host[:12].abs().sum() > 0
+    assert worker.states == {}
+    # a pool, a buffer or a budget without a full block: no probe
+    assert probes.time_store(num_slots=0) is None
+    assert RateProbes(execute, worker.states.clear, ProbeShape(
+        BLOCK, 64, 15, 512, torch.device("cpu"))).time_store(num_slots=20) is None
+
+
 @pytest.mark.gpu
 def test_a_gpu_worker_measures_what_loading_adds_to_a_step(tiny_models):
     worker = Worker(WorkerConfig(str(tiny_models["llama"]), device="cuda",
                                  host_kv_cache_bytes=1 << 24, enforce_eager=True))
     info = worker.init_kv_cache(512)
     assert 0 < info.load_bytes_per_s <= info.copy_bytes_per_s * 1.0001
+    # a block's store: its copy out of at most a few ms (a tiny block, mostly the launch)
+    assert 0 <= info.store_seconds_per_block < 5e-3
     assert worker.states == {} and worker.step_timer.take() == []
     assert worker.offloader.report(idle=False).is_empty
