@@ -5,10 +5,11 @@ every rank runs them together, into blocks and host slots no request holds yet; 
 timed the second time it runs (the first warms up).
 
 The load probe prices a load as the running engine does (router/live_rates.py): a step that
-prefills ``P`` tokens is timed alone and with one more sequence that loads ``L`` blocks of
-prefix and computes ``Q`` tokens after them; what the second costs beyond the first and its
-``Q`` tokens at the prefill rate is the load's: its copies, and the attention over the long
-loaded context that a prefill of the same tokens would do with more programs.
+prefills ``Q`` tokens is timed alone, and a step of one sequence that loads ``L`` blocks of
+prefix and computes ``Q`` tokens after them; what the second costs beyond the first is the
+load's: its copies, and the attention of those tokens over the long loaded context, which runs
+on few programs (the reason a loading step costs more than its tokens on a small model). Alone:
+a prefill beside it, attending over as many keys in the same launch, would hide that time.
 
 The store probe times a prefill alone and with its full blocks written to host slots after its
 forward, as the write-through writes them: what that adds, a block, is the store's cost. On a
@@ -86,8 +87,7 @@ class RateProbes:
         stored = self._timed(lambda: self._prefill_step(num_tokens, None, stores))
         return num_blocks, alone, stored
 
-    def load_rate(self, prefill_tokens_per_s: float, copy_bytes_per_s: float, num_slots: int,
-                  block_bytes: int) -> float:
+    def load_rate(self, copy_bytes_per_s: float, num_slots: int, block_bytes: int) -> float:
         """Bytes a second that loading a prefix adds to a step (``block_bytes`` a block, this
         shard's), never above the copy's rate; 0.0 where the pool, the host buffer or the
         token budget holds no probe, and on the CPU (its steps are not timed either)."""
@@ -96,36 +96,32 @@ class RateProbes:
         probe = self.time_load(num_slots)
         if probe is None:
             return 0.0
-        num_loaded, question, alone, with_load = probe
+        num_loaded, _, alone, with_load = probe
         num_bytes = num_loaded * block_bytes
-        beyond = with_load - alone - question / prefill_tokens_per_s
-        return num_bytes / max(beyond, num_bytes / copy_bytes_per_s)
+        return num_bytes / max(with_load - alone, num_bytes / copy_bytes_per_s)
 
     def time_load(self, num_slots: int) -> tuple[int, int, float, float] | None:
-        """(blocks loaded, tokens after them, seconds of the step alone, with the load), or
-        None where the pool, the host buffer or the token budget holds no probe."""
+        """(blocks loaded, tokens after them, seconds of a step that prefills those tokens
+        alone, of one that computes them after the loaded blocks), or None where the pool, the
+        host buffer or the token budget holds no probe."""
         shape = self.shape
         size = shape.block_size
-        question = min(LOAD_QUESTION_TOKENS, shape.max_num_batched_tokens // 2)
+        question = min(LOAD_QUESTION_TOKENS, shape.max_num_batched_tokens)
         question_blocks = -(-question // size)
-        background = min(shape.max_num_batched_tokens - question,
-                         PREFILL_TOKENS[shape.device.type], shape.max_model_len,
-                         (shape.num_blocks - question_blocks - 1) * size)
-        background_blocks = -(-background // size)
         num_loaded = min(LOAD_PREFIX_TOKENS // size, num_slots,
                          (shape.max_model_len - question) // size,
-                         shape.num_blocks - background_blocks - question_blocks)
-        if num_loaded < 1 or question < 1 or background < 1:
+                         shape.num_blocks - 2 * question_blocks)
+        if num_loaded < 1:
             return None
         # the prefix's KV: a prefill into the blocks the load reads back, written to slots
-        first = background_blocks
+        first = question_blocks
         loaded = list(range(first, first + num_loaded))
         self._run(lambda: self._fill(loaded, num_loaded * size))
         self._run(lambda: self.execute(StepInput([], [], [], transfers=KVTransfers(
             stores=[(block, slot) for slot, block in enumerate(loaded)]))))
-        alone = self._timed(lambda: self._prefill_step(background, None))
+        alone = self._timed(lambda: self._prefill_step(question, None))
         with_load = self._timed(lambda: self._prefill_step(
-            background, (num_loaded, question, list(range(num_loaded)), first)))
+            0, (num_loaded, question, list(range(num_loaded)), first)))
         return num_loaded, question, alone, with_load
 
     def _fill(self, blocks: list[int], num_tokens: int) -> None:
@@ -139,15 +135,16 @@ class RateProbes:
 
     def _prefill_step(self, num_tokens: int, load: tuple[int, int, list[int], int] | None,
                       stores: KVTransfers | None = None) -> None:
-        """A prefill of ``num_tokens`` from block 0 on; with ``load`` (blocks, new
-        tokens, host slots, first block), beside it a sequence whose prefix of that many
+        """A prefill of ``num_tokens`` (none: no such row) from block 0 on; with ``load``
+        (blocks, new tokens, host slots, first block), a sequence whose prefix of that many
         blocks is loaded from those slots in this step, computing its new tokens after it;
         with ``stores``, the step's copies out after its forward."""
         size = self.shape.block_size
         spec = SamplingSpec(temperature=0.0)
         blocks = list(range(-(-num_tokens // size)))
-        new = [NewRequest(PREFILL_ID, [0] * num_tokens, num_tokens, blocks, spec)]
-        scheduled = [ScheduledRequest(PREFILL_ID, 0, num_tokens)]
+        new = [NewRequest(PREFILL_ID, [0] * num_tokens, num_tokens, blocks, spec)
+               ] if num_tokens else []
+        scheduled = [ScheduledRequest(PREFILL_ID, 0, num_tokens)] if num_tokens else []
         transfers = stores
         if load is not None:
             num_loaded, question, slots, first = load

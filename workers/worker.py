@@ -261,7 +261,7 @@ class Worker:
         copy_rate = self.offloader.measure_copy_bandwidth()
         prefill_rate = probes.prefill_rate()
         store_seconds = probes.store_seconds(info.num_slots)
-        load_rate = probes.load_rate(prefill_rate, copy_rate, info.num_slots, info.block_bytes)
+        load_rate = probes.load_rate(copy_rate, info.num_slots, info.block_bytes)
         self.offloader.report(idle=False)
         if self.step_timer is not None:
             self.step_timer.take()

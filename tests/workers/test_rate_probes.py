@@ -33,8 +33,8 @@ def test_the_load_probe_loads_its_stored_prefix_beside_a_prefill_and_leaves_noth
     probes = RateProbes(execute, worker.states.clear,
                         ProbeShape(BLOCK, 64, 256, 512, torch.device("cpu")))
     num_loaded, question, alone, with_load = probes.time_load(num_slots)
-    # 128 tokens beside a prefill of 128 (8 blocks) and 8 question blocks: 48 blocks left
-    # of 64, 24 in the model's 512 positions, of which the 20 slots take all
+    # 128 tokens prefilled alone (8 blocks) and after the loaded prefix (8 more): 48 blocks
+    # left of 64, 24 in the model's 512 positions, of which the 20 slots take all
     assert (num_loaded, question) == (20, 128) and alone > 0 and with_load > 0
     loaded = list(range(8, 28))
     # the prefix filled in chunks of the token budget, then written to slots 0..19
@@ -42,11 +42,13 @@ def test_the_load_probe_loads_its_stored_prefix_beside_a_prefill_and_leaves_noth
             for c in calls[:3]] == [[], [("probe", 0, 256)], [("probe", 256, 64)]]
     assert calls[1].new_requests == [] and calls[0].new_requests[0].block_ids == loaded
     assert calls[3].transfers.stores == [(block, slot) for slot, block in enumerate(loaded)]
-    # each probe step twice: the prefill alone, then beside the sequence that loads
+    # each probe step twice: the 128 tokens alone, then after the loaded prefix, alone too
+    assert [(s.request_id, s.num_computed_tokens, s.num_new_tokens) for s in calls[4].scheduled
+            ] == [("probe", 0, 128)]
     step = calls[-1]
     assert [(s.request_id, s.num_computed_tokens, s.num_new_tokens) for s in step.scheduled] == [
-        ("probe", 0, 128), ("probe-load", 320, 128)]
-    assert step.new_requests[1].block_ids == list(range(8, 36))
+        ("probe-load", 320, 128)]
+    assert [r.block_ids for r in step.new_requests] == [list(range(8, 36))]
     (load,) = step.transfers.loads
     assert (load.host_slots, load.block_ids, load.in_step) == (list(range(20)), loaded, True)
     assert len(calls) == 8 and calls[4].transfers is None
@@ -68,23 +70,21 @@ def test_the_load_probe_keeps_to_the_model_s_length_and_the_pool(tiny_models):
 
     probes = RateProbes(execute, worker.states.clear,
                         ProbeShape(BLOCK, 32, 2048, 160, torch.device("cpu")))
-    # a question of 128 tokens (8 blocks) beside a prefill of the model's 160 (10 blocks),
-    # a prefix of 2 blocks before the question: 160 positions
+    # a question of 128 tokens (8 blocks) after a prefix of 2 blocks: the model's 160 positions
     assert probes.time_load(num_slots=40)[:2] == (2, 128)
     assert [(s.request_id, s.num_computed_tokens, s.num_new_tokens)
-            for s in calls[-1].scheduled] == [("probe", 0, 160), ("probe-load", 32, 128)]
+            for s in calls[-1].scheduled] == [("probe-load", 32, 128)]
     assert worker.states == {}
 
 
 def test_no_load_probe_where_the_pool_holds_none(tiny_models):
     worker = Worker(WorkerConfig(str(tiny_models["llama"]), host_kv_cache_bytes=1 << 20))
-    worker.init_kv_cache(16)
-    for num_blocks, num_loaded in ((16, 1), (9, None)):
+    worker.init_kv_cache(17)
+    for num_blocks, num_loaded in ((17, 1), (16, None)):
         probes = RateProbes(worker.execute, worker.states.clear,
                             ProbeShape(BLOCK, num_blocks, 2048, 512, torch.device("cpu")))
         probe = probes.time_load(num_slots=40)
-        # 8 question blocks, the prefill beside them in all but one block of the rest (7 of 16:
-        # one block to load into; none of 9)
+        # 8 question blocks alone, 8 after the prefix: one block to load into of 17, none of 16
         assert (probe[0] if probe else None) == num_loaded
 
 
