@@ -13,6 +13,17 @@ from workers.worker_config import WorkerConfig
 BLOCK = 16
 
 
+def recorded_probes(worker, shape):
+    """Probes of ``worker`` in ``shape``, and the list of the steps they run."""
+    calls = []
+
+    def execute(step):
+        calls.append(step)
+        return worker.execute(step)
+
+    return RateProbes(execute, worker.states.clear, shape), calls
+
+
 def test_the_load_probe_loads_its_stored_prefix_beside_a_prefill_and_leaves_nothing(
         tiny_models):
     worker = Worker(WorkerConfig(str(tiny_models["llama"]), max_num_batched_tokens=256,
@@ -62,14 +73,7 @@ def test_the_load_probe_keeps_to_the_model_s_length_and_the_pool(tiny_models):
     worker = Worker(WorkerConfig(str(tiny_models["llama"]), host_kv_cache_bytes=1 << 20,
                                  max_model_len=160))
     worker.init_kv_cache(32)
-    calls = []
-
-    def execute(step):
-        calls.append(step)
-        return worker.execute(step)
-
-    probes = RateProbes(execute, worker.states.clear,
-                        ProbeShape(BLOCK, 32, 2048, 160, torch.device("cpu")))
+    probes, calls = recorded_probes(worker, ProbeShape(BLOCK, 32, 2048, 160, torch.device("cpu")))
     # a question of 128 tokens (8 blocks) after a prefix of 2 blocks: the model's 160 positions
     assert probes.time_load(num_slots=40)[:2] == (2, 128)
     assert [(s.request_id, s.num_computed_tokens, s.num_new_tokens)
@@ -93,14 +97,7 @@ def test_the_store_probe_times_a_prefill_alone_then_with_its_blocks_stored(tiny_
                                  host_kv_cache_bytes=1 << 20))
     info = worker.init_kv_cache(64)
     assert info.store_seconds_per_block == 0.0  # the CPU's steps are not timed: no probe
-    calls = []
-
-    def execute(step):
-        calls.append(step)
-        return worker.execute(step)
-
-    probes = RateProbes(execute, worker.states.clear,
-                        ProbeShape(BLOCK, 64, 200, 512, torch.device("cpu")))
+    probes, calls = recorded_probes(worker, ProbeShape(BLOCK, 64, 200, 512, torch.device("cpu")))
     assert probes.store_seconds(num_slots=20) == 0.0 and calls == []
     for tensor in worker.offloader.host_views:
         tensor.zero_()
@@ -116,8 +113,8 @@ def test_the_store_probe_times_a_prefill_alone_then_with_its_blocks_stored(tiny_
     assert worker.states == {}
     # a pool, a buffer or a budget without a full block: no probe
     assert probes.time_store(num_slots=0) is None
-    assert RateProbes(execute, worker.states.clear, ProbeShape(
-        BLOCK, 64, 15, 512, torch.device("cpu"))).time_store(num_slots=20) is None
+    assert recorded_probes(worker, ProbeShape(BLOCK, 64, 15, 512, torch.device("cpu")))[
+        0].time_store(num_slots=20) is None
 
 
 @pytest.mark.gpu
