@@ -4,16 +4,21 @@ start-up (Ray, Serve, the default model) runs beside the tests collected before 
 `served` fixture (conftest.py) waits until it serves."""
 
 import os
+import socket
 import subprocess
 import sys
 import threading
 import time
 from dataclasses import dataclass, field
 
-from tests.ports import free_port
-
 SERVED_MODEL = "smollm2-135m-instruct"
 FIXTURE = "served"  # the tests that ask for it make the collection hook start it
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 @dataclass
@@ -50,7 +55,7 @@ class ServedProcess:
 
 def start_served() -> ServedProcess:
     """`tandem serve` run with the brief's command line (on the CPU)."""
-    port = free_port(4)  # the ingress, its spare, two gRPC ports (set_serve_ports)
+    port = free_port()
     command = [sys.executable, "-m", "cluster.cli.main", "serve", SERVED_MODEL,
                "--max-num-seqs", "16", "--max-num-batched-tokens", "512",
                "--enable-chunked-prefill", "--max-model-len", "2048",

@@ -6,6 +6,7 @@ prefix cached. Round-robin beside it, over two replicas, computes each prefix tw
 are tested in-process (tests/router/test_placement.py)."""
 
 import asyncio
+import socket
 import time
 
 import httpx2 as httpx
@@ -15,13 +16,17 @@ from ray import serve
 
 from cluster.serve.app import server_app
 from cluster.serve.config import ServeConfig
-from tests.ports import free_port
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 MODEL = "tiny-chat"  # the served name
 NUM_GROUPS, LATER, PREFIX_LEN, BLOCK = 6, 3, 160, 16
 
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def prefix(group: int) -> list[int]:

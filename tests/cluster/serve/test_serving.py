@@ -6,6 +6,7 @@ application and its engine cost ~10 s of the suite's start: one serves every tes
 """
 
 import json
+import socket
 import threading
 import time
 
@@ -23,7 +24,6 @@ from cluster.serve.app import server_app
 from cluster.serve.config import ServeConfig
 from cluster.serve.prometheus import METRIC_NAMES
 from tests.metrics_scrape import scrape
-from tests.ports import free_port
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -34,6 +34,11 @@ APP = "keyed"
 PROMPT = "Once upon a time"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
