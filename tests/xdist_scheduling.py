@@ -53,17 +53,11 @@ def pinned_file_scheduling(config, log):  # type: ignore[no-untyped-def]
 
         def _assign_work_unit(self, node) -> None:  # type: ignore[no-untyped-def]
             """The first unit of the queue this node may take, if any: every test of it.
-            A pinned unit waits while more than half of the units are left: its process,
-            started as collection ends, comes up beside other tests instead of being waited
-            for (the `tandem serve` process took ~145 s, its worker idle). Not by xdist's
-            ``collection.index(nodeid)``, which sends only the first of several items of one
-            id (schemathesis' cases, one a route, share theirs)."""
-            self.__dict__.setdefault("num_units", len(self.workqueue))
-            takes = [scope for scope in self.workqueue if self._takes(scope, node)]
-            if not takes:
+            Not by xdist's ``collection.index(nodeid)``, which sends only the first of
+            several items of one id (schemathesis' cases, one a route, share theirs)."""
+            scope = next((s for s in self.workqueue if self._takes(s, node)), None)
+            if scope is None:
                 return
-            early = 2 * len(self.workqueue) > self.num_units
-            scope = next((s for s in takes if not (early and s in PINS)), takes[0])
             work_unit = self.workqueue.pop(scope)
             self.assigned_work.setdefault(node, {})[scope] = work_unit
             node.send_runtest_some([
