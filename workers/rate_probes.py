@@ -8,8 +8,9 @@ The load probe prices a load as the running engine does (router/live_rates.py): 
 prefills ``Q`` tokens is timed alone, and a step of one sequence that loads ``L`` blocks of
 prefix and computes ``Q`` tokens after them; what the second costs beyond the first is the
 load's: its copies, and the attention of those tokens over the long loaded context, which runs
-on few programs (the reason a loading step costs more than its tokens on a small model). Alone:
-a prefill beside it, attending over as many keys in the same launch, would hide that time.
+on few programs (probably why a loading step cost more than its tokens on a small model,
+docs/benchmarks.md). Alone: a prefill beside it, attending over as many keys in the same
+launch, would hide that time.
 
 The store probe times a prefill alone and with its full blocks written to host slots after its
 forward, as the write-through writes them: what that adds, a block, is the store's cost. On a
@@ -54,10 +55,15 @@ class RateProbes:
 
     def prefill_rate(self) -> float:
         """Prompt tokens a second of one probe prefill."""
-        shape = self.shape
-        num_tokens = max(1, min(shape.max_num_batched_tokens, PREFILL_TOKENS[shape.device.type],
-                                shape.num_blocks * shape.block_size, shape.max_model_len))
+        num_tokens = max(1, self._prefill_len())
         return num_tokens / self._timed(lambda: self._prefill_step(num_tokens, None))
+
+    def _prefill_len(self) -> int:
+        """A probe prefill's tokens: as many as a step, the pool and the model hold, at most
+        ``PREFILL_TOKENS``."""
+        shape = self.shape
+        return min(shape.max_num_batched_tokens, PREFILL_TOKENS[shape.device.type],
+                   shape.num_blocks * shape.block_size, shape.max_model_len)
 
     def store_seconds(self, num_slots: int) -> float:
         """Seconds that writing one block through to the host tier adds to a step (its copy
@@ -74,11 +80,8 @@ class RateProbes:
     def time_store(self, num_slots: int) -> tuple[int, float, float] | None:
         """(blocks stored, seconds of a prefill of them alone, with their stores), or None
         where no full block fits the pool, the host buffer or a step."""
-        shape = self.shape
-        size = shape.block_size
-        num_blocks = min(shape.max_num_batched_tokens, PREFILL_TOKENS[shape.device.type],
-                         shape.max_model_len) // size
-        num_blocks = min(num_blocks, num_slots, shape.num_blocks)
+        size = self.shape.block_size
+        num_blocks = min(self._prefill_len() // size, num_slots)  # full blocks, as stored
         if num_blocks < 1:
             return None
         num_tokens = num_blocks * size
